@@ -1,0 +1,16 @@
+"""conv-BN(-ReLU) as an nn.Sequential, so state-dict keys are `conv.weight`, `bn.*` as in official RepLKNet."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def conv_bn(in_chs: int, out_chs: int, kernel_size: int, stride: int = 1, groups: int = 1, dilation: int = 1,
+            act: bool = False) -> nn.Sequential:
+    """Bias-free conv ('same' padding for stride 1) -> BatchNorm2d (-> ReLU as `nonlinear` when act)."""
+    seq = nn.Sequential()
+    seq.add_module("conv", nn.Conv2d(in_chs, out_chs, kernel_size, stride=stride, padding=dilation * (kernel_size // 2),
+                                     dilation=dilation, groups=groups, bias=False))
+    seq.add_module("bn", nn.BatchNorm2d(out_chs))
+    if act:
+        seq.add_module("nonlinear", nn.ReLU())
+    return seq

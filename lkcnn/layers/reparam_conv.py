@@ -1,0 +1,114 @@
+"""ReparamLargeKernelConv: large depthwise conv-BN plus parallel small / dilated conv-BN branches, mergeable into one
+large conv with bias (RepLKNet's ReparamLargeKernelConv, UniRepLKNet's DilatedReparamBlock)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from .conv_bn import conv_bn
+from .fuse import dilate_kernel, fuse_bn, pad_to
+from .large_kernel_conv import LargeKernelConv, to_kernel_size
+
+# UniRepLKNet's dilated branches per large kernel size K: (kernel k, dilation r); each is a sparse ((k-1)r+1)^2 kernel.
+UNIREPLKNET_DILATED_BRANCHES: dict[int, tuple[tuple[int, int], ...]] = {
+    7: ((5, 1), (3, 2), (3, 3)),
+    9: ((5, 1), (5, 2), (3, 3), (3, 4)),
+    11: ((5, 1), (5, 2), (3, 3), (3, 4), (3, 5)),
+    13: ((5, 1), (7, 2), (3, 3), (3, 4), (3, 5)),
+    15: ((5, 1), (7, 2), (3, 3), (3, 5), (3, 7)),
+    17: ((5, 1), (9, 2), (3, 4), (3, 5), (3, 7)),
+}
+
+DilatedBranches = bool | None | Sequence[Sequence[int]]
+
+
+def resolve_dilated_branches(kernel_size: tuple[int, int], branches: DilatedBranches) -> tuple[tuple[int, int], ...]:
+    """False/None -> none; True -> UniRepLKNet's table for this (square) kernel; else explicit (k, r) pairs."""
+    if not branches:
+        return ()
+    if branches is True:
+        if kernel_size[0] != kernel_size[1] or kernel_size[0] not in UNIREPLKNET_DILATED_BRANCHES:
+            raise ValueError(f"dilated_branches=True uses UniRepLKNet's table, which has no entry for kernel "
+                             f"{kernel_size}; tabled sizes: {sorted(UNIREPLKNET_DILATED_BRANCHES)}. "
+                             "Pass explicit (kernel, dilation) pairs instead.")
+        return UNIREPLKNET_DILATED_BRANCHES[kernel_size[0]]
+    pairs = tuple((int(k), int(r)) for k, r in branches)
+    for k, r in pairs:
+        size = (k - 1) * r + 1
+        if k % 2 == 0 or k < 1 or r < 1 or size > min(kernel_size):
+            raise ValueError(f"dilated branch (k={k}, r={r}) spans {size}x{size}, which must be odd and fit inside "
+                             f"the large kernel {kernel_size}")
+    return pairs
+
+
+class ReparamLargeKernelConv(nn.Module):
+    """Depthwise KxK conv-BN (+ small conv-BN) (+ dilated conv-BNs), summed; `reparameterize()` folds it into
+    `lkb_reparam`, a LargeKernelConv with bias, exactly the module built with deploy=True."""
+
+    def __init__(self, channels: int, kernel_size: int | tuple[int, int], small_kernel: int | None = 5,
+                 dilated_branches: DilatedBranches = False, deploy: bool = False) -> None:
+        super().__init__()
+        self.channels = channels
+        self.kernel_size = to_kernel_size(kernel_size)
+        self.small_kernel = to_kernel_size(small_kernel) if small_kernel else None
+        if self.small_kernel and any(s > k for s, k in zip(self.small_kernel, self.kernel_size)):
+            raise ValueError(f"small_kernel {self.small_kernel} must fit inside the large kernel {self.kernel_size}")
+        self.dilated_branches = resolve_dilated_branches(self.kernel_size, dilated_branches)
+        self.deploy = deploy
+        if deploy:
+            self.lkb_reparam = LargeKernelConv(channels, self.kernel_size, bias=True)
+            return
+        self.lkb_origin = nn.Sequential()
+        self.lkb_origin.add_module("conv", LargeKernelConv(channels, self.kernel_size))
+        self.lkb_origin.add_module("bn", nn.BatchNorm2d(channels))
+        self.small_conv = None
+        if self.small_kernel:
+            self.small_conv = nn.Sequential()
+            self.small_conv.add_module("conv", nn.Conv2d(channels, channels, self.small_kernel, groups=channels,
+                                                         padding=tuple(k // 2 for k in self.small_kernel), bias=False))
+            self.small_conv.add_module("bn", nn.BatchNorm2d(channels))
+        self.dilated = nn.ModuleDict({f"k{k}_r{r}": conv_bn(channels, channels, k, groups=channels, dilation=r)
+                                      for k, r in self.dilated_branches})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deploy:
+            return self.lkb_reparam(x)
+        out = self.lkb_origin(x)
+        if self.small_conv is not None:
+            out = out + self.small_conv(x)
+        for branch in self.dilated.values():
+            out = out + branch(x)
+        return out
+
+    def branches(self) -> list[nn.Sequential]:
+        """The conv-BN branches of the training form, large kernel first."""
+        small = [self.small_conv] if self.small_conv is not None else []
+        return [self.lkb_origin, *small, *self.dilated.values()]
+
+    @torch.no_grad()
+    def get_equivalent_kernel_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The single (C,1,kh,kw) kernel and (C,) bias equal to the sum of all BN-folded branches (eval mode)."""
+        kernel, bias = 0, 0
+        for branch in self.branches():
+            w, b = fuse_bn(branch.conv.weight, branch.bn)
+            kernel = kernel + pad_to(dilate_kernel(w, branch.conv.dilation[0]), self.kernel_size)
+            bias = bias + b
+        return kernel, bias
+
+    def reparameterize(self) -> None:
+        """Merge all branches into `lkb_reparam` in place (timm's convention); a no-op when already deployed."""
+        if self.deploy:
+            return
+        kernel, bias = self.get_equivalent_kernel_bias()
+        self.lkb_reparam = LargeKernelConv(self.channels, self.kernel_size, bias=True,
+                                           device=kernel.device, dtype=kernel.dtype)
+        self.lkb_reparam.weight.data.copy_(kernel)
+        self.lkb_reparam.bias.data.copy_(bias)
+        del self.lkb_origin, self.small_conv, self.dilated
+        self.deploy = True
+
+    def extra_repr(self) -> str:
+        return (f"channels={self.channels}, kernel_size={self.kernel_size}, small_kernel={self.small_kernel}, "
+                f"dilated_branches={self.dilated_branches}, deploy={self.deploy}")

@@ -1,0 +1,88 @@
+"""checkpoint_filter_fn: load official / timm / lkcnn checkpoints into lkcnn models with clear errors."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+from timm.models.convnext import checkpoint_filter_fn as timm_convnext_filter
+
+from lkcnn.layers import ReparamLargeKernelConv
+
+_WRAPPERS = ("state_dict", "model", "model_ema", "state_dict_ema")  # first present wins: raw weights before EMA
+_PREFIXES = ("module.", "model.")  # DDP / Lightning attribute prefixes
+
+
+def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """The tensor dict inside a training checkpoint, without DDP / LightningModule prefixes."""
+    state_dict = dict(checkpoint)
+    while not any(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        key = next((k for k in _WRAPPERS if isinstance(state_dict.get(k), Mapping)), None)
+        if key is None:
+            raise ValueError(f"checkpoint holds no tensors and none of {_WRAPPERS}; top-level keys: "
+                             f"{sorted(state_dict)[:10]}")
+        state_dict = dict(state_dict[key])
+    for prefix in _PREFIXES:
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def _deploy_from_training(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Merge training-form branches into `lkb_reparam` for each ReparamLargeKernelConv built with deploy=True."""
+    out = dict(state_dict)
+    for name, module in model.named_modules():
+        if not (isinstance(module, ReparamLargeKernelConv) and module.deploy):
+            continue
+        prefix = f"{name}."
+        if f"{prefix}lkb_origin.conv.weight" not in out:
+            continue
+        branch = {k[len(prefix):]: out.pop(k) for k in list(out) if k.startswith(prefix)}
+        twin = ReparamLargeKernelConv(module.channels, module.kernel_size, module.small_kernel,
+                                      module.dilated_branches)
+        try:
+            twin.load_state_dict(branch)
+        except RuntimeError as err:
+            raise ValueError(f"checkpoint weights for {name} do not fit kernel_size={module.kernel_size}, "
+                             f"small_kernel={module.small_kernel}, dilated_branches={module.dilated_branches}: "
+                             f"{str(err).splitlines()[-1].strip()}") from None
+        twin.reparameterize()
+        out.update({prefix + k: v for k, v in twin.state_dict().items()})
+    return out
+
+
+def _check_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Raise one readable error for missing/unexpected keys or non-classifier shape mismatches."""
+    expected = model.state_dict()
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    classifier = f"{cfg['classifier']}." if cfg.get("classifier") else None
+    # timm drops or re-initializes the classifier when num_classes differs, and adapts the first conv to in_chans
+    adaptable = tuple(f"{cfg[k]}." for k in ("classifier", "first_conv") if cfg.get(k))
+    missing = sorted(k for k in set(expected) - set(state_dict) if not (classifier and k.startswith(classifier)))
+    unexpected = sorted(k for k in set(state_dict) - set(expected) if not (classifier and k.startswith(classifier)))
+    if missing or unexpected:
+        hint = ""
+        if any(".lkb_reparam." in k for k in unexpected):
+            hint = " The checkpoint is re-parameterized (deploy form): create the model with deploy=True."
+        raise ValueError(f"checkpoint does not match {type(model).__name__}: {len(missing)} missing keys "
+                         f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}.{hint} Check the model "
+                         "name and its kernel_sizes / small_kernel / dw_ratio / dilated_branches arguments.")
+    for key, value in state_dict.items():
+        if key in expected and value.shape != expected[key].shape and not key.startswith(adaptable):
+            raise ValueError(f"checkpoint tensor {key} has shape {tuple(value.shape)}, the model expects "
+                             f"{tuple(expected[key].shape)}: create the model with matching kernel_sizes / widths.")
+
+
+def checkpoint_filter_fn(state_dict: Mapping[str, object], model: nn.Module) -> dict[str, torch.Tensor]:
+    """timm pretrained filter for every lkcnn model.
+
+    Unwraps `state_dict` / `model` / `model_ema`, maps Facebook ConvNeXt keys through timm's own filter, and loads a
+    training-form checkpoint into a deploy-form model by merging its branches. Official RepLKNet keys are lkcnn's keys.
+    """
+    state_dict = unwrap_state_dict(state_dict)
+    if any(k.startswith("downsample_layers.") for k in state_dict):  # facebookresearch/ConvNeXt layout
+        state_dict = timm_convnext_filter(state_dict, model)
+    if any(".lkb_origin." in k for k in state_dict):
+        state_dict = _deploy_from_training(state_dict, model)
+    _check_keys(state_dict, model)
+    return state_dict
