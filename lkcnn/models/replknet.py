@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import create_classifier, to_ntuple
+from timm.layers import calculate_drop_path_rates, create_classifier, to_ntuple
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
@@ -84,7 +84,7 @@ class RepLKNet(LkcnnModel, nn.Module):
             conv_bn(c0, c0, 3, stride=2, groups=c0, act=True),
         )
         # drop path rises linearly over the (RepLKBlock, ConvFFN) pairs, both of a pair share the rate
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = calculate_drop_path_rates(drop_path_rate, sum(depths))
         self.stages = nn.ModuleList()
         self.transitions = nn.ModuleList()
         self.feature_info = []

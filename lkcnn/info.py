@@ -1,0 +1,100 @@
+"""`python -m lkcnn.info MODEL`: parameter counts (train and deploy form) and MACs of a model at an input size."""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import timm
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import lkcnn  # noqa: F401  registers the lkcnn models with timm
+from lkcnn.layers import LargeKernelConv
+from lkcnn.models import list_models
+from lkcnn.reparam import reparameterize_model
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """`key=value` pairs; values are Python literals where they parse (31, [31,29,27,13], None), else strings."""
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r} (e.g. --set kernel_sizes=[31,29,27,13])")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def build(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """The model on the meta device (no memory, no init time); unknown names list close matches."""
+    if name not in timm.list_models():
+        close = difflib.get_close_matches(name, timm.list_models(), n=5)
+        raise ValueError(f"unknown model {name!r}; did you mean {close}? lkcnn models: {list_models()}")
+    with torch.device("meta"):
+        try:
+            # the entrypoint, not timm.create_model, so an explicit small_kernel=None is not dropped
+            return timm.models.model_entrypoint(name)(pretrained=False, **kwargs)
+        except TypeError as err:
+            raise ValueError(f"{name} does not accept these settings {kwargs}: {err}") from None
+
+
+def count_macs(model: nn.Module, img_size: int) -> tuple[int, int]:
+    """(total MACs, MACs FlopCounterMode attributed to LargeKernelConv modules) for one image; MACs = FLOPs / 2."""
+    x = torch.empty(1, getattr(model, "in_chans", 3), img_size, img_size, device="meta")
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.eval()(x)
+    root = type(model).__name__
+    lk_names = {f"{root}.{n}" for n, m in model.named_modules() if isinstance(m, LargeKernelConv)}
+    lk_flops = sum(sum(ops.values()) for n, ops in counter.get_flop_counts().items() if n in lk_names)
+    return counter.get_total_flops() // 2, lk_flops // 2
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def info(name: str, img_size: int = 224, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Params in training and deploy form and MACs at img_size x img_size."""
+    model = build(name, kwargs or {})
+    train_params = num_params(model)
+    macs, lk_macs = count_macs(model, img_size)
+    has_lk = any(isinstance(m, LargeKernelConv) for m in model.modules())
+    deploy_params = num_params(reparameterize_model(model))
+    return dict(name=name, kwargs=kwargs or {}, img_size=img_size, params_train=train_params,
+                params_deploy=deploy_params, macs=macs, large_kernel_macs=lk_macs,
+                large_kernel_counted=lk_macs > 0 or not has_lk)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lkcnn-info", description=__doc__)
+    parser.add_argument("model", help=f"a timm model name, e.g. one of lkcnn's: {', '.join(list_models())}")
+    parser.add_argument("--img-size", type=int, default=224, help="square input size (default 224)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="model keyword argument, e.g. --set kernel_sizes=7 --set small_kernel=None")
+    args = parser.parse_args(argv)
+    try:
+        result = info(args.model, args.img_size, parse_sets(args.set))
+    except ValueError as err:
+        parser.error(str(err))
+    print(f"model          {result['name']} {result['kwargs'] or ''}".rstrip())
+    print(f"params         {result['params_train'] / 1e6:.2f}M (train form)  "
+          f"{result['params_deploy'] / 1e6:.2f}M (deploy form)")
+    print(f"MACs           {result['macs'] / 1e9:.2f}G at {args.img_size}x{args.img_size} "
+          f"(large-kernel convs {result['large_kernel_macs'] / 1e9:.2f}G)")
+    if not result["large_kernel_counted"]:
+        print("warning        FlopCounterMode did not see the large-kernel op: MACs exclude the large-kernel convs",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
