@@ -1,13 +1,9 @@
-"""lkcnn.ops: the large-kernel depthwise convolution op (placeholder until the CUDA op lands)."""
-from __future__ import annotations
+"""lkcnn.ops: the large-kernel depthwise convolution.
 
-import torch
-import torch.nn.functional as F
+`dwconv2d(x, weight, bias=None, padding=None)` is the one entry point; it is backed by the registered ops
+`torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight`.
+"""
+from .build import BuildError
+from .dwconv import conv_impl, cuda_unsupported_reason, dwconv2d
 
-
-def dwconv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             padding: tuple[int, int] | None = None) -> torch.Tensor:
-    """Depthwise stride-1 convolution of x (N,C,H,W) with weight (C,1,kh,kw); 'same' padding by default."""
-    if padding is None:
-        padding = (weight.shape[-2] // 2, weight.shape[-1] // 2)
-    return F.conv2d(x, weight, bias, 1, padding, 1, x.shape[1])
+__all__ = ["BuildError", "conv_impl", "cuda_unsupported_reason", "dwconv2d"]

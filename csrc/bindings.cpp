@@ -1,0 +1,68 @@
+// Python binding of the CUDA kernels. The kernels write into tensors the caller allocates (lkcnn/ops/dwconv.py),
+// which keeps memory formats and the tests' output poisoning in one place on the Python side.
+#include <torch/extension.h>
+
+#include "dwconv.h"
+
+namespace lkcnn {
+
+ConvGeom make_geom(const at::Tensor& a, const at::Tensor& b, int64_t kh, int64_t kw, int64_t ph, int64_t pw) {
+  ConvGeom g;
+  g.N = a.size(0); g.C = a.size(1); g.H = int(a.size(2)); g.W = int(a.size(3));
+  g.xs_n = a.stride(0); g.xs_c = a.stride(1); g.xs_h = a.stride(2); g.xs_w = a.stride(3);
+  g.ys_n = b.stride(0); g.ys_c = b.stride(1); g.ys_h = b.stride(2); g.ys_w = b.stride(3);
+  g.kh = int(kh); g.kw = int(kw); g.ph = int(ph); g.pw = int(pw);
+  return g;
+}
+
+namespace {
+
+void check_pair(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.is_cuda() && b.is_cuda() && a.device() == b.device(), what, ": tensors must be on the same CUDA device");
+  TORCH_CHECK(a.dim() == 4 && a.sizes() == b.sizes(), what, ": expected two (N, C, H, W) tensors of one shape, got ",
+              a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(), ")");
+}
+
+void check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const char* what) {
+  TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 3 && w.size(0) == C,
+              what, ": kernel must be a contiguous fp32 (C, kh, kw) CUDA tensor");
+  const int64_t kh = w.size(1), kw = w.size(2);
+  TORCH_CHECK(kh % 2 == 1 && kw % 2 == 1 && kh <= 63 && kw <= 63 && ph == kh / 2 && pw == kw / 2, what,
+              ": the CUDA kernel supports odd kernels up to 63 with 'same' padding, got ", kh, "x", kw, " padding ",
+              ph, ",", pw);
+}
+
+void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor y, int64_t ph,
+         int64_t pw) {
+  check_pair(x, y, "lkcnn dwconv2d forward");
+  check_kernel(w, x.size(1), ph, pw, "lkcnn dwconv2d forward");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = *bias;
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == x.size(1) && b.device() == x.device(),
+                "lkcnn dwconv2d forward: bias must be a contiguous fp32 (C,) tensor on the input's device");
+  }
+  launch_dwconv_fwd(x, w, b, y, ph, pw);
+}
+
+void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64_t ph, int64_t pw) {
+  check_pair(grad_out, x, "lkcnn dwconv2d weight gradient");
+  check_kernel(dw, x.size(1), ph, pw, "lkcnn dwconv2d weight gradient");
+  TORCH_CHECK(wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
+              "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
+  launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
+}
+
+}  // namespace
+}  // namespace lkcnn
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lkcnn large-kernel depthwise convolution CUDA kernels";
+  m.def("fwd", &lkcnn::fwd, "y = dwconv(x, w) + bias, written into y (also the input gradient with a flipped w)",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("ph"), py::arg("pw"));
+  m.def("wgrad", &lkcnn::wgrad, "dw += weight gradient (dw fp32, zero-initialised by the caller)",
+        py::arg("grad_out"), py::arg("x"), py::arg("dw"), py::arg("ph"), py::arg("pw"));
+  m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
+        py::arg("W"), py::arg("kh"), py::arg("kw"));
+}

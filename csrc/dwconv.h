@@ -1,0 +1,53 @@
+// Large-kernel depthwise convolution (stride 1, odd kernels, "same" padding): shared declarations.
+//
+// Every kernel stages its tile in shared memory as fp32 and accumulates in fp32, whatever the storage dtype
+// (fp32, fp16, bf16). Tensors are addressed through explicit strides, so NCHW, channels_last and other
+// non-contiguous layouts run without a copy.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+// The three storage dtypes the kernels are built for (double goes to PyTorch).
+#define LKCNN_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace lkcnn {
+
+// Geometry of one launch; strides in elements, 64-bit so tensors over 2^31 elements index correctly.
+struct ConvGeom {
+  int64_t N, C;
+  int H, W;                        // one map side never needs 64 bits; keeping them int keeps tile math in int
+  int64_t xs_n, xs_c, xs_h, xs_w;  // strides of the tensor that is read densely (x or grad_out)
+  int64_t ys_n, ys_c, ys_h, ys_w;  // strides of the second tensor (output y, or x for the weight gradient)
+  int kh, kw, ph, pw;
+};
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+#ifdef __CUDACC__
+#define LKCNN_HOST_DEVICE __host__ __device__
+#else
+#define LKCNN_HOST_DEVICE
+#endif
+
+// Smallest multiple of m that is >= x, and 0 for x <= 0 (loop bounds of the padded-tap skipping).
+LKCNN_HOST_DEVICE inline int round_up_nonneg(int x, int m) { return x <= 0 ? 0 : (x + m - 1) / m * m; }
+
+ConvGeom make_geom(const at::Tensor& a, const at::Tensor& b, int64_t kh, int64_t kw, int64_t ph, int64_t pw);
+
+// y = correlate(x, w) + bias, w: (C, kh, kw) fp32 contiguous, bias: fp32 (C) or undefined.
+// The input gradient is the same correlation of grad_out with the flipped kernel (the caller flips it).
+void launch_dwconv_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                       int64_t ph, int64_t pw);
+
+// dw += sum over batch and space of grad_out * shifted x; dw: (C, kh, kw) fp32, zero-initialised by the caller.
+void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph, int64_t pw);
+
+// Whether the weight-gradient tile for maps of width W fits in shared memory (the forward always fits for k <= 63).
+bool wgrad_supported(int64_t W, int64_t kh, int64_t kw);
+
+}  // namespace lkcnn

@@ -1,0 +1,213 @@
+"""The registered op `torch.ops.lkcnn.dwconv2d_fwd` (+ its two backward ops) and the public `dwconv2d`.
+
+Each pass is its own custom op with a fake (meta) implementation, so autograd, torch.compile (no graph break) and
+FlopCounterMode see one op per pass. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
+configuration is supported, and PyTorch's convolution otherwise. `LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice:
+`cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from . import build, reference
+
+IMPLS = ("auto", "cuda", "torch")
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_KERNEL = 63
+_warned: set[str] = set()
+
+
+def conv_impl() -> str:
+    """The implementation chosen by LKCNN_CONV_IMPL (default 'auto')."""
+    impl = os.environ.get("LKCNN_CONV_IMPL", "auto").strip().lower() or "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"LKCNN_CONV_IMPL={impl!r} is not one of {', '.join(IMPLS)}")
+    return impl
+
+
+def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int]) -> str | None:
+    """Why lkcnn's CUDA kernels cannot run this call, or None when they can."""
+    kh, kw = kernel_size
+    if not x.is_cuda:
+        return f"the input is on {x.device.type}, not a CUDA device"
+    if x.dtype not in CUDA_DTYPES:
+        return f"dtype {x.dtype} has no CUDA kernel (float32, float16 and bfloat16 do)"
+    if kh % 2 == 0 or kw % 2 == 0 or max(kh, kw) > MAX_KERNEL:
+        return f"kernel {kh}x{kw}: the CUDA kernels take odd sizes up to {MAX_KERNEL}"
+    if list(padding) != [kh // 2, kw // 2]:
+        return f"padding {tuple(padding)} is not the 'same' padding ({kh // 2}, {kw // 2})"
+    try:
+        module = build.load()
+    except build.BuildError as err:
+        return f"the CUDA extension is unavailable ({err})"
+    if not module.supported(x.shape[-1], kh, kw):
+        return f"maps {x.shape[-1]} wide with a {kh}x{kw} kernel do not fit the weight-gradient tile"
+    return None
+
+
+def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
+    impl = conv_impl()
+    if impl == "torch":
+        return False
+    reason = cuda_unsupported_reason(x, kernel_size, padding)
+    if reason is None:
+        return True
+    if impl == "cuda":
+        raise RuntimeError(f"LKCNN_CONV_IMPL=cuda, but lkcnn's CUDA kernel cannot run: {reason}. "
+                           "Use LKCNN_CONV_IMPL=auto to fall back to PyTorch.")
+    if x.is_cuda and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"lkcnn dwconv2d falls back to PyTorch's convolution: {reason}", stacklevel=3)
+    return False
+
+
+def _memory_format(t: Tensor) -> torch.memory_format:
+    """The layout outputs take: channels_last for channels_last inputs, contiguous otherwise (fake and real agree)."""
+    if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _new_like(t: Tensor) -> Tensor:
+    out = torch.empty_like(t, memory_format=_memory_format(t))
+    if os.environ.get("LKCNN_DEBUG_POISON") == "1":  # tests: every element the kernel fails to write stays NaN
+        out.fill_(float("nan"))
+    return out
+
+
+def _kernel(weight: Tensor, flip: bool) -> Tensor:
+    """The (C, kh, kw) fp32 kernel the CUDA code reads; flipped for the input gradient."""
+    w = weight.reshape(weight.shape[0], weight.shape[-2], weight.shape[-1]).float()
+    return (w.flip(-1, -2) if flip else w).contiguous()
+
+
+@torch.library.custom_op("lkcnn::dwconv2d_fwd", mutates_args=())
+def dwconv2d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Tensor:
+    if _use_cuda(x, list(weight.shape[-2:]), padding):
+        y = _new_like(x)
+        b = None if bias is None else bias.float().contiguous()
+        build.load().fwd(x, _kernel(weight, flip=False), b, y, padding[0], padding[1])
+        return y
+    return reference.forward(x, weight, bias, padding).contiguous(memory_format=_memory_format(x))
+
+
+@dwconv2d_fwd.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Tensor:
+    return torch.empty_like(x, memory_format=_memory_format(x))
+
+
+@torch.library.custom_op("lkcnn::dwconv2d_bwd_input", mutates_args=())
+def dwconv2d_bwd_input(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
+    if _use_cuda(grad_out, list(weight.shape[-2:]), padding):
+        dx = _new_like(grad_out)
+        # For odd kernels with 'same' padding the input gradient is the same correlation with the flipped kernel.
+        build.load().fwd(grad_out, _kernel(weight, flip=True), None, dx, padding[0], padding[1])
+        return dx
+    return reference.grad_input(grad_out, weight, padding).contiguous(memory_format=_memory_format(grad_out))
+
+
+@dwconv2d_bwd_input.register_fake
+def _(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
+    return torch.empty_like(grad_out, memory_format=_memory_format(grad_out))
+
+
+@torch.library.custom_op("lkcnn::dwconv2d_bwd_weight", mutates_args=())
+def dwconv2d_bwd_weight(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -> Tensor:
+    if _use_cuda(x, kernel_size, padding):
+        dw = torch.zeros(x.shape[1], *kernel_size, device=x.device, dtype=torch.float32)
+        build.load().wgrad(grad_out, x, dw, padding[0], padding[1])
+        return dw.to(x.dtype).unsqueeze(1)
+    return reference.grad_weight(grad_out, x, kernel_size, padding).contiguous()
+
+
+@dwconv2d_bwd_weight.register_fake
+def _(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -> Tensor:
+    return x.new_empty((x.shape[1], 1, *kernel_size))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, padding = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.padding = padding
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad: Tensor):
+    x, weight = ctx.saved_tensors
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = dwconv2d_bwd_input(grad, weight, ctx.padding)
+    if ctx.needs_input_grad[1]:
+        grad_w = dwconv2d_bwd_weight(grad, x, list(weight.shape[-2:]), ctx.padding)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = grad.sum((0, 2, 3), dtype=torch.float32).to(grad.dtype)
+    return grad_x, grad_w, grad_b, None
+
+
+dwconv2d_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _conv_flops(shape: torch.Size, kernel_size) -> int:
+    n, c, h, w = shape
+    return 2 * n * c * h * w * kernel_size[0] * kernel_size[1]
+
+
+@register_flop_formula(torch.ops.lkcnn.dwconv2d_fwd)
+def _fwd_flops(x_shape, w_shape, bias_shape, padding, *args, **kwargs) -> int:
+    return _conv_flops(x_shape, w_shape[-2:])
+
+
+@register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd_input)
+def _bwd_input_flops(grad_shape, w_shape, padding, *args, **kwargs) -> int:
+    return _conv_flops(grad_shape, w_shape[-2:])
+
+
+@register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd_weight)
+def _bwd_weight_flops(grad_shape, x_shape, kernel_size, padding, *args, **kwargs) -> int:
+    return _conv_flops(x_shape, kernel_size)
+
+
+def _check_args(x: Tensor, weight: Tensor, bias: Tensor | None, padding) -> list[int]:
+    """Validate a user call; returns the padding as a list. Errors say what was expected."""
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        raise ValueError(f"dwconv2d expects x of shape (N, C, H, W), got {getattr(x, 'shape', type(x))}")
+    c = x.shape[1]
+    if weight.dim() != 4 or weight.shape[0] != c or weight.shape[1] != 1:
+        raise ValueError(f"dwconv2d expects a depthwise weight of shape ({c}, 1, kh, kw) for {c} input channels, "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (c,):
+        raise ValueError(f"dwconv2d expects bias of shape ({c},), got {tuple(bias.shape)}")
+    kh, kw = weight.shape[-2:]
+    if padding is None:
+        padding = [kh // 2, kw // 2]
+    elif isinstance(padding, int):
+        padding = [padding, padding]
+    padding = [int(p) for p in padding]
+    if len(padding) != 2 or min(padding) < 0:
+        raise ValueError(f"dwconv2d padding must be two non-negative ints, got {padding}")
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"dwconv2d: x is on {x.device} but weight/bias are on {weight.device}; move them together")
+    return padding
+
+
+def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None) -> Tensor:
+    """Depthwise stride-1 convolution of x (N, C, H, W) with weight (C, 1, kh, kw) and optional bias (C,).
+
+    padding defaults to 'same' (kh // 2, kw // 2). Under autocast the inputs are cast to the autocast dtype (custom
+    ops are not cast by autocast itself); otherwise x, weight and bias must share a dtype.
+    """
+    padding = _check_args(x, weight, bias, padding)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"dwconv2d: x is {x.dtype} but weight/bias are {weight.dtype}"
+                         f"{'' if bias is None else '/' + str(bias.dtype)}; cast them to one dtype or use autocast")
+    return torch.ops.lkcnn.dwconv2d_fwd(x, weight, bias, padding)
