@@ -5,16 +5,17 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
+from timm.models import clean_state_dict
 from timm.models.convnext import checkpoint_filter_fn as timm_convnext_filter
 
 from lkcnn.layers import ReparamLargeKernelConv
 
 _WRAPPERS = ("state_dict", "model", "model_ema", "state_dict_ema")  # first present wins: raw weights before EMA
-_PREFIXES = ("module.", "model.")  # DDP / Lightning attribute prefixes
+_LIGHTNING_PREFIX = "model."  # a LightningModule holding the net at attribute `model`
 
 
 def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, torch.Tensor]:
-    """The tensor dict inside a training checkpoint, without DDP / LightningModule prefixes."""
+    """The tensor dict inside a training checkpoint, without DDP (`module.`) / LightningModule (`model.`) prefixes."""
     state_dict = dict(checkpoint)
     while not any(isinstance(v, torch.Tensor) for v in state_dict.values()):
         key = next((k for k in _WRAPPERS if isinstance(state_dict.get(k), Mapping)), None)
@@ -22,9 +23,9 @@ def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, torch.Tenso
             raise ValueError(f"checkpoint holds no tensors and none of {_WRAPPERS}; top-level keys: "
                              f"{sorted(state_dict)[:10]}")
         state_dict = dict(state_dict[key])
-    for prefix in _PREFIXES:
-        if state_dict and all(k.startswith(prefix) for k in state_dict):
-            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    state_dict = clean_state_dict(state_dict)
+    if all(k.startswith(_LIGHTNING_PREFIX) for k in state_dict):
+        state_dict = {k[len(_LIGHTNING_PREFIX):]: v for k, v in state_dict.items()}
     return state_dict
 
 

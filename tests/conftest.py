@@ -1,0 +1,19 @@
+"""Shared helpers for the layer / model / re-parameterization tests (imported as `from conftest import ...`)."""
+import torch
+import torch.nn as nn
+
+
+def randomize_bn(module: nn.Module) -> nn.Module:
+    """Give every BatchNorm fresh random running stats and affine params, so BN folding is really exercised."""
+    for bn in module.modules():
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            bn.running_mean.normal_(0, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.normal_(0, 0.5)
+    return module
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error in the L2 norm."""
+    return ((actual - expected).norm() / expected.norm()).item()
