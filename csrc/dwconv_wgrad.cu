@@ -1,8 +1,10 @@
 // Weight-gradient kernel of the large-kernel depthwise convolution:
 //   dw[c, r, s] = sum over n, p, q of dy[n, c, p, q] * x[n, c, p + r - ph, q + s - pw].
 //
-// A group of TR x TS threads owns the whole (kh x kw) gradient of one channel: a thread holds U kernel rows x V
-// kernel columns in registers. The group walks work items (one sample, one band of PH rows of dy), staged in
+// A group of TR x TS x PS threads owns the whole (kh x kw) gradient of one channel: a thread holds U kernel rows x V
+// kernel columns in registers, and PS threads (a power of two; PS > 1 only for small kernels, which would
+// otherwise leave too few threads per block) split the dy rows of an item and are summed by warp shuffles. The
+// group walks work items (one sample, one band of PH rows of dy), staged in
 // shared memory as fp32 with the padded strip of x it meets. For each dy row, a thread slides a 2V-wide register
 // window along each of its U rows of x in steps of V columns: per step V/4 float4 loads of dy (the same for the
 // whole group: broadcasts) and U*V/4 float4 loads of x feed U*V*V FMAs. Several groups (slots) share a block and
@@ -23,7 +25,8 @@ constexpr int kSlotBytes = 24 * 1024;  // shared memory per slot, before falling
 constexpr int kMaxSmem = 96 * 1024;
 
 struct WgradTile {
-  int TR, TS, G, S;  // threads along kernel rows, along kernel columns; group size; groups (slots) per block
+  int TR, TS, PS;    // threads along kernel rows, along kernel columns, across dy rows (a power of two <= 32)
+  int G, S;          // group size TR*TS*PS; groups (slots) per block
   int PH, chunks;    // dy rows per item; items per sample
   int QW;            // dy row stride: W rounded up to V
   int XR, XS;        // staged x rows and row stride
@@ -43,7 +46,8 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
                                                            const WgradTile t) {
   extern __shared__ __align__(16) float smem[];
   const int slot = threadIdx.x / t.G, lt = threadIdx.x % t.G;
-  const int r0 = (lt / t.TS) * U, s0 = (lt % t.TS) * V;
+  const int tile = lt / t.PS, ps = lt % t.PS;  // the PS threads of one tile are adjacent lanes of one warp
+  const int r0 = (tile / t.TS) * U, s0 = (tile % t.TS) * V;
   float* sdy = smem + slot * (t.PH * t.QW + t.XR * t.XS);
   float* sx = sdy + t.PH * t.QW;
   const int64_t c = blockIdx.x;
@@ -85,7 +89,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
     // Column steps q0 whose x window [q0 + s0, q0 + s0 + 2V - 1) meets the map's columns [pw, pw + W).
     const int qlo = round_up_nonneg(g.pw - s0 - 2 * V + 2, V);
     const int qhi = min(t.QW, g.pw + int(g.W) - s0);
-    for (int p = plo; p < phi; ++p) {
+    for (int p = plo + ps; p < phi; p += t.PS) {
       const float* dyr = sdy + p * t.QW;
       const float* xr = sx + (p + r0) * t.XS + s0;
       float buf[U][2 * V];
@@ -115,6 +119,13 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
     }
   }
 
+  const unsigned lanes = __activemask();  // every thread of the block arrives here (blocks need not fill a warp)
+  for (int offset = t.PS / 2; offset > 0; offset /= 2)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[u][v] += __shfl_xor_sync(lanes, acc[u][v], offset);
+  if (ps != 0) return;
   float* dwc = dw + c * g.kh * g.kw;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -136,7 +147,6 @@ WgradTile plan_wgrad(const ConvGeom& g, int num_sms) {
   t.KWp = ceil_div(g.kw, kV) * kV;
   t.TS = t.KWp / kV;
   t.TR = ceil_div(g.kh, kU);
-  t.G = t.TR * t.TS;
   t.QW = ceil_div(int(g.W), kV) * kV;
   t.XS = t.QW + t.KWp;
   auto bytes = [&](int rows) { return slot_bytes(rows, g.W, g.kh, g.kw); };
@@ -144,6 +154,9 @@ WgradTile plan_wgrad(const ConvGeom& g, int num_sms) {
   while (t.PH > 1 && bytes(t.PH) > kSlotBytes) t.PH = (t.PH + 1) / 2;
   TORCH_CHECK(bytes(t.PH) <= kMaxSmem, "lkcnn dwconv2d: the weight-gradient tile does not fit in shared memory; "
               "this map width / kernel size is not supported by the CUDA kernel");
+  t.PS = 1;
+  while (t.PS * 2 * t.TR * t.TS <= 32 && t.PS * 2 <= t.PH) t.PS *= 2;
+  t.G = t.TR * t.TS * t.PS;
   t.XR = t.PH + t.TR * kU - 1;
   t.chunks = ceil_div(int(g.H), t.PH);
   t.items = g.N * t.chunks;

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the CUDA extension (cold and warm times), compile report (registers, spills),
+# GPU tests, benchmark. Logs go to $OUT; the short summary prints last.
+# Usage, from the repo root on a GPU machine:  bash scripts/gpu_check.sh [--tests-only|--bench-only] [bench args...]
+set -uo pipefail
+OUT=${OUT:-$(mktemp -d)}
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
+mode=all
+case "${1:-}" in --tests-only|--bench-only) mode=${1#--}; shift ;; esac
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+$PY scripts/compile_check.py 90 >"$OUT/ptxas.log" 2>&1 &
+ptxas_pid=$!
+
+t0=$(date +%s.%N)
+if ! $PY -m lkcnn.ops.build -v >"$OUT/build.log" 2>&1; then tail -40 "$OUT/build.log"; exit 1; fi
+t1=$(date +%s.%N)
+$PY -m lkcnn.ops.build >"$OUT/warm.log" 2>&1
+t2=$(date +%s.%N)
+
+trc=skipped brc=skipped
+if [ "$mode" != bench ]; then
+  $PY -m pytest -q -m gpu tests/test_ops_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1; trc=$?
+fi
+if [ "$mode" != tests ]; then
+  $PY -m lkcnn.bench "$@" --json "$OUT/bench.json" --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1; brc=$?
+fi
+wait $ptxas_pid
+
+echo "== device: $(tail -1 "$OUT/gpu.txt")"
+printf '== build: cold %.1f s, warm load (new process) %.1f s\n' "$(echo "$t1 - $t0" | bc)" "$(echo "$t2 - $t1" | bc)"
+echo "== ptxas:"; grep -E "registers|spill|error" "$OUT/ptxas.log" | sort | uniq -c | head -12
+if [ "$trc" != skipped ]; then echo "== gpu tests (rc=$trc):"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25; fi
+if [ "$brc" != skipped ]; then echo "== bench (rc=$brc):"; tail -45 "$OUT/bench.log"; fi

@@ -1,0 +1,134 @@
+"""CPU tests of the dwconv2d op: results equal PyTorch's, registration (opcheck, compile, autocast, flop count),
+implementation choice and fallback, argument errors, and the build's lock handling."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lkcnn.ops import build, dwconv2d
+from lkcnn.ops.dwconv import conv_impl
+
+
+def _rand_case(kh, kw, bias=True):
+    c = torch.randint(1, 6, ()).item()
+    x = torch.randn(2, c, torch.randint(3, 20, ()).item(), torch.randint(3, 20, ()).item(), requires_grad=True)
+    w = torch.randn(c, 1, kh, kw, requires_grad=True)
+    b = torch.randn(c, requires_grad=True) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("kernel", [(1, 1), (3, 3), (7, 7), (31, 31), (51, 5), (5, 51)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_pytorch_forward_and_backward(kernel, bias):
+    x, w, b = _rand_case(*kernel, bias)
+    y = dwconv2d(x, w, b)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy)
+    pad = (kernel[0] // 2, kernel[1] // 2)
+    ref = F.conv2d(x, w, b, 1, pad, 1, x.shape[1])
+    ref_grads = torch.autograd.grad(ref, [t for t in (x, w, b) if t is not None], dy)
+    torch.testing.assert_close(y, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_explicit_padding_and_channels_last():
+    x, w, b = _rand_case(5, 3)
+    y = dwconv2d(x.contiguous(memory_format=torch.channels_last), w, b, padding=(1, 0))
+    torch.testing.assert_close(y, F.conv2d(x, w, b, 1, (1, 0), 1, x.shape[1]))
+    if x.shape[1] > 1:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_opcheck_cpu():
+    x, w, b = (t.detach() for t in _rand_case(7, 5))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd, (x, w, b, [3, 2]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_input, (torch.randn_like(x), w, [3, 2]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (torch.randn_like(x), x, [7, 5], [3, 2]))
+
+
+def test_compile_fullgraph_has_no_graph_break():
+    conv = torch.nn.Conv2d(4, 4, 9, padding=4, groups=4)
+    x = torch.randn(2, 4, 12, 12, requires_grad=True)
+    fn = torch.compile(lambda t: dwconv2d(t, conv.weight, conv.bias).sum(), fullgraph=True, backend="aot_eager")
+    loss = fn(x)
+    (grad,) = torch.autograd.grad(loss, x)
+    ref = F.conv2d(x, conv.weight, conv.bias, 1, 4, 1, 4).sum()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, torch.autograd.grad(ref, x)[0])
+
+
+def test_autocast_casts_inputs():
+    x, w, b = _rand_case(5, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = dwconv2d(x, w, b)
+    assert y.dtype == torch.bfloat16
+    ref = F.conv2d(x.double(), w.double(), b.double(), 1, 2, 1, x.shape[1])
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_flop_counter_sees_the_op():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+    w = torch.randn(3, 1, 7, 7, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        dwconv2d(x, w).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * (2 * 3 * 10 * 10 * 49)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(x=torch.randn(3, 8, 8), weight=torch.randn(3, 1, 3, 3)), r"\(N, C, H, W\)"),
+    (dict(x=torch.randn(1, 3, 8, 8), weight=torch.randn(3, 3, 3, 3)), r"depthwise weight of shape \(3, 1, kh, kw\)"),
+    (dict(x=torch.randn(1, 3, 8, 8), weight=torch.randn(3, 1, 3, 3), bias=torch.randn(4)), r"bias of shape \(3,\)"),
+    (dict(x=torch.randn(1, 3, 8, 8), weight=torch.randn(3, 1, 3, 3, dtype=torch.float64)), "one dtype"),
+    (dict(x=torch.randn(1, 3, 8, 8), weight=torch.randn(3, 1, 3, 3), padding=(-1, 1)), "non-negative"),
+])
+def test_bad_arguments_give_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dwconv2d(**kwargs)
+
+
+def test_impl_selection(monkeypatch):
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "Torch")
+    assert conv_impl() == "torch"
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "triton")
+    with pytest.raises(ValueError, match="auto, cuda, torch"):
+        dwconv2d(torch.randn(1, 2, 5, 5), torch.randn(2, 1, 3, 3))
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")
+    with pytest.raises(RuntimeError, match="cannot run: the input is on cpu"):
+        dwconv2d(torch.randn(1, 2, 5, 5), torch.randn(2, 1, 3, 3))
+
+
+def test_auto_falls_back_silently_on_cpu(monkeypatch, recwarn):
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "auto")
+    x, w, b = _rand_case(3, 3)
+    torch.testing.assert_close(dwconv2d(x, w, b), F.conv2d(x, w, b, 1, 1, 1, x.shape[1]))
+    assert not [w for w in recwarn if "lkcnn" in str(w.message)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_build_without_gpu_says_why():
+    with pytest.raises(build.BuildError, match="no CUDA device"):
+        build._build(verbose=False)
+
+
+def test_stale_build_lock_is_reported_not_waited_on(tmp_path, monkeypatch):
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 2 * build.LOCK_STALE_S
+    os.utime(lock, (old, old))
+    start = time.monotonic()
+    with pytest.raises(build.BuildError, match="stale build lock"):
+        build._check_lock(tmp_path)
+    assert time.monotonic() - start < 5
+
+
+def test_build_directory_depends_on_sources_and_arch(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    a, b = build.build_directory("9.0"), build.build_directory("8.0")
+    assert a != b and a.parent == tmp_path and a.name.startswith("lkcnn_dwconv_")

@@ -1,0 +1,170 @@
+"""GPU correctness of lkcnn's CUDA kernels against a float64 reference (run on the GPU machine; skipped elsewhere).
+
+Inputs are fresh random tensors each run (the seed is printed on failure), outputs are poisoned with NaN before
+every kernel launch (LKCNN_DEBUG_POISON) so an unwritten element fails, and errors are relative norms.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lkcnn.ops import dwconv2d
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DTYPES = list(TOL)
+LAYOUTS = ["nchw", "channels_last", "strided"]
+# Square and rectangular (SLaK 51x5 / 5x51) kernels, from pointwise to the largest supported.
+KERNELS = [(1, 1), (3, 3), (5, 5), (7, 7), (9, 3), (13, 13), (27, 27), (29, 29), (31, 31), (51, 5), (5, 51), (63, 63)]
+
+
+@pytest.fixture(autouse=True)
+def _cuda_only(monkeypatch):
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")
+    monkeypatch.setenv("LKCNN_DEBUG_POISON", "1")
+
+
+def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "channels_last":
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "strided":  # a non-contiguous view: every other column of a wider tensor
+        wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device).normal_()
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    return t.contiguous()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "output has NaNs: some element was never written"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_case(n, c, h, w, kh, kw, dtype, layout, bias=True, seed=None):
+    seed = random.randrange(2**31) if seed is None else seed
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = _layout(torch.randn(n, c, h, w, device=dev, generator=gen).to(dtype), layout)
+    wt = (torch.randn(c, 1, kh, kw, device=dev, generator=gen) / (kh * kw) ** 0.5).to(dtype)
+    b = torch.randn(c, device=dev, generator=gen).to(dtype) if bias else None
+    dy = _layout(torch.randn(n, c, h, w, device=dev, generator=gen).to(dtype), layout)
+
+    xs, ws = x.detach().requires_grad_(), wt.detach().requires_grad_()
+    bs = b.detach().requires_grad_() if bias else None
+    y = dwconv2d(xs, ws, bs)
+    y.backward(dy)
+
+    x64, w64 = x.double().requires_grad_(), wt.double().requires_grad_()
+    b64 = b.double().requires_grad_() if bias else None
+    y64 = F.conv2d(x64, w64, b64, 1, (kh // 2, kw // 2), 1, c)
+    y64.backward(dy.double())
+
+    what = f"seed={seed} shape={(n, c, h, w)} k={kh}x{kw} {dtype} {layout}"
+    assert y.shape == y64.shape and y.dtype == dtype, what
+    if layout == "channels_last" and c > 1:
+        assert y.is_contiguous(memory_format=torch.channels_last), what
+    tol = TOL[dtype]
+    pairs = [("out", y, y64), ("grad_x", xs.grad, x64.grad), ("grad_w", ws.grad, w64.grad)]
+    if bias:
+        pairs.append(("grad_b", bs.grad, b64.grad))
+    for name, got, ref in pairs:
+        err = rel_err(got, ref)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e} ({what})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k[0]}x{k[1]}")
+def test_kernel_sizes(kernel, layout, dtype):
+    kh, kw = kernel
+    n, c = random.randint(1, 3), random.choice([1, 3, 5, 8])
+    h, w = random.randint(5, 40), random.randint(5, 40)
+    check_case(n, c, h, w, kh, kw, dtype, layout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,k", [((2, 7, 7, 7), 13), ((2, 5, 7, 7), 31), ((1, 3, 14, 14), 27), ((1, 2, 1, 1), 31),
+                                     ((3, 4, 2, 9), 7), ((2, 3, 56, 56), 31), ((1, 2, 100, 37), 29)])
+def test_map_sizes(shape, k, dtype):
+    """Maps smaller than the kernel (7x7 with 13x13 and 31x31), single pixels, thin and large maps, batch 1."""
+    check_case(*shape, k, k, dtype, random.choice(LAYOUTS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_random_configurations(dtype):
+    """A fresh draw of shape, odd kernel (1..63, square or not), layout and bias on every run."""
+    for _ in range(12):
+        kh, kw = random.randrange(1, 64, 2), random.randrange(1, 64, 2)
+        shape = (random.randint(1, 4), random.randint(1, 9), random.randint(1, 70), random.randint(1, 70))
+        check_case(*shape, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
+
+
+def test_benchmark_shapes_fp32():
+    """The RepLKNet-31B stage shapes at a reduced batch, where the tiling takes its production choices."""
+    for shape, k in [((4, 128, 56, 56), 31), ((4, 256, 28, 28), 29), ((4, 512, 14, 14), 27), ((4, 1024, 7, 7), 13),
+                     ((4, 384, 32, 32), 31)]:
+        check_case(*shape, k, k, torch.float32, "nchw")
+
+
+def test_64bit_indexing():
+    """A bf16 tensor of more than 2^31 elements: the last planes must be computed like the first."""
+    n, c, h, w, k = 2100, 1024, 32, 32, 31  # 2.2e9 elements
+    x = torch.randn(n, c, h, w, device="cuda", dtype=torch.bfloat16)
+    wt = (torch.randn(c, 1, k, k, device="cuda") / k).to(torch.bfloat16)
+    y = dwconv2d(x, wt)
+    tail = F.conv2d(x[-1:, -4:].double(), wt[-4:].double(), None, 1, k // 2, 1, 4)
+    assert rel_err(y[-1:, -4:], tail) <= TOL[torch.bfloat16]
+    del y
+    grad_w = torch.ops.lkcnn.dwconv2d_bwd_weight(x, x, [k, k], [k // 2, k // 2])
+    ref = torch.nn.grad.conv2d_weight(x[:, -1:].double(), (1, 1, k, k), x[:, -1:].double(), 1, k // 2, 1, 1)
+    assert rel_err(grad_w[-1:], ref) <= TOL[torch.bfloat16]
+
+
+def test_opcheck():
+    x = torch.randn(2, 6, 20, 17, device="cuda")
+    w = torch.randn(6, 1, 9, 7, device="cuda")
+    b = torch.randn(6, device="cuda")
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd, (x, w, b, [4, 3]))
+    dy = torch.randn_like(x)
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_input, (dy, w, [4, 3]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (dy, x, [9, 7], [4, 3]))
+
+
+def test_compile_fullgraph_and_autocast():
+    conv = torch.nn.Conv2d(16, 16, 31, padding=15, groups=16, device="cuda")
+    x = torch.randn(2, 16, 24, 24, device="cuda", requires_grad=True)
+
+    def f(t):
+        return dwconv2d(t, conv.weight, conv.bias).relu().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cuda", dtype=dtype):
+            loss = compiled(x)
+            eager = f(x)
+        grad = torch.autograd.grad(loss, x)[0]
+        ref = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), 1, 15, 1, 16).relu().sum()
+        assert abs(loss.item() - ref.item()) <= 2e-2 * abs(ref.item())
+        assert abs(loss.item() - eager.item()) <= 2e-2 * abs(ref.item())
+        assert grad.shape == x.shape and torch.isfinite(grad).all()
+
+
+def test_fallback_is_identical_for_unsupported_configurations(monkeypatch):
+    """Non-'same' padding and float64 go to PyTorch under 'auto', with PyTorch's exact results."""
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "auto")
+    x = torch.randn(2, 4, 16, 16, device="cuda")
+    w = torch.randn(4, 1, 5, 5, device="cuda")
+    with pytest.warns(UserWarning, match="falls back"):
+        y = dwconv2d(x, w, padding=(1, 3))
+    assert torch.equal(y, F.conv2d(x, w, None, 1, (1, 3), 1, 4))
+    xd, wd = x.double(), w.double()
+    assert torch.equal(dwconv2d(xd, wd), F.conv2d(xd, wd, None, 1, 2, 1, 4))
+
+
+def test_cuda_impl_refuses_loudly():
+    x = torch.randn(1, 2, 8, 8, device="cuda", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="LKCNN_CONV_IMPL=cuda"):
+        dwconv2d(x, torch.randn(2, 1, 3, 3, device="cuda", dtype=torch.float64))
