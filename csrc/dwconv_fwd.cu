@@ -9,6 +9,7 @@
 // Input rows and column steps that fall entirely in the padding are skipped per thread, which is what keeps maps
 // smaller than the kernel (14x14 with 27x27, 7x7 with 13x13) from paying for the zeros.
 #include "dwconv.h"
+#include "tile.cuh"
 
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -27,11 +28,6 @@ struct FwdTile {
   int KWp, WR;           // kernel width padded to V, kernel rows incl. the U-1 zero rows on each side
   int tiles_w, tiles_h;
 };
-
-__device__ __forceinline__ void load4(float* dst, const float* src) {
-  const float4 v = *reinterpret_cast<const float4*>(src);
-  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-}
 
 template <typename T, int U, int V>
 __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
@@ -52,22 +48,13 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
 
   if (active) {
     const int nthr = blockDim.x * blockDim.y, tid = ty * blockDim.x + tx;
-    const T* xp = x + n * g.xs_n + c * g.xs_c;
-    // Columns past TW+kw-1 only ever meet zero weights; store zeros there so that a non-finite input outside
-    // an output's receptive field cannot reach it through 0*inf.
-    const int col_end = t.TW + g.kw - 1;
-    for (int idx = tid; idx < t.IR * t.IS; idx += nthr) {
-      const int r = idx / t.IS, cc = idx - r * t.IS;
-      const int gr = p0 - g.ph + r, gc = q0 - g.pw + cc;
-      float v = 0.f;
-      if (cc < col_end && gr >= 0 && gr < g.H && gc >= 0 && gc < g.W) v = static_cast<float>(xp[gr * g.xs_h + gc * g.xs_w]);
-      sx[idx] = v;
-    }
-    const float* wp = w + c * g.kh * g.kw;
-    for (int idx = tid; idx < t.WR * t.KWp; idx += nthr) {
-      const int r = idx / t.KWp - (U - 1), s = idx % t.KWp;
-      sw[idx] = (r >= 0 && r < g.kh && s < g.kw) ? wp[r * g.kw + s] : 0.f;
-    }
+    // Columns past TW+kw-1 only ever meet zero weights; they are stored as zeros so that a non-finite input
+    // outside an output's receptive field cannot reach it through 0*inf.
+    stage_tile(sx, x + n * g.xs_n + c * g.xs_c, t.IR, t.IS, p0 - g.ph, q0 - g.pw, t.TW + g.kw - 1, g.H, g.W, g.xs_h,
+               g.xs_w, tid, nthr);
+    // The kernel, with U-1 zero rows above and below and zero columns up to KWp.
+    stage_tile(sw, w + c * g.kh * g.kw, t.WR, t.KWp, -(U - 1), 0, t.KWp, g.kh, g.kw, int64_t(g.kw), int64_t(1), tid,
+               nthr);
   }
   __syncthreads();
   const int pr = p0 + ty * U, qc = q0 + tx * V;  // this thread's first output row and column

@@ -12,6 +12,7 @@
 // tap, so the order of the fp32 sum (and its last bits) is not deterministic. Rows and column steps of x that lie
 // entirely in the padding are skipped per thread.
 #include "dwconv.h"
+#include "tile.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -33,11 +34,6 @@ struct WgradTile {
   int KWp;
   int64_t items, items_per_block;
 };
-
-__device__ __forceinline__ void load4(float* dst, const float* src) {
-  const float4 v = *reinterpret_cast<const float4*>(src);
-  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-}
 
 // g.xs_* are the strides of dy, g.ys_* those of x.
 template <typename T, int U, int V>
@@ -67,18 +63,8 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
     const int pa = int(item % t.chunks) * t.PH;  // first dy row of this item
     __syncthreads();  // the previous items are consumed before their tiles are overwritten
     if (valid) {
-      const T* dyp = dy + n * g.xs_n + c * g.xs_c;
-      for (int idx = lt; idx < t.PH * t.QW; idx += t.G) {
-        const int p = idx / t.QW, q = idx - p * t.QW;
-        sdy[idx] = (pa + p < g.H && q < g.W) ? static_cast<float>(dyp[(pa + p) * g.xs_h + q * g.xs_w]) : 0.f;
-      }
-      const T* xp = x + n * g.ys_n + c * g.ys_c;
-      for (int idx = lt; idx < t.XR * t.XS; idx += t.G) {
-        const int i = idx / t.XS, e = idx - i * t.XS;
-        const int gr = pa - g.ph + i, gc = e - g.pw;
-        sx[idx] = (gr >= 0 && gr < g.H && gc >= 0 && gc < g.W) ? static_cast<float>(xp[gr * g.ys_h + gc * g.ys_w])
-                                                               : 0.f;
-      }
+      stage_tile(sdy, dy + n * g.xs_n + c * g.xs_c, t.PH, t.QW, pa, 0, t.QW, g.H, g.W, g.xs_h, g.xs_w, lt, t.G);
+      stage_tile(sx, x + n * g.ys_n + c * g.ys_c, t.XR, t.XS, pa - g.ph, -g.pw, t.XS, g.H, g.W, g.ys_h, g.ys_w, lt, t.G);
     }
     __syncthreads();
     if (!valid) continue;
