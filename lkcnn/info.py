@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import difflib
 import sys
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 import timm
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import lkcnn  # noqa: F401  registers the lkcnn models with timm
@@ -47,11 +49,17 @@ def build(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def count_macs(model: nn.Module, img_size: int) -> tuple[int, int]:
-    """(total MACs, MACs FlopCounterMode attributed to LargeKernelConv modules) for one image; MACs = FLOPs / 2."""
-    x = torch.empty(1, getattr(model, "in_chans", 3), img_size, img_size, device="meta")
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        model.eval()(x)
+    """(total MACs, MACs FlopCounterMode attributed to LargeKernelConv modules) for one image; MACs = FLOPs / 2.
+
+    The meta-device model gets uninitialized CPU storage (untouched, so no real memory) and runs under fake tensors:
+    shapes only, no arithmetic, yet ops see a CPU device as they would in real use.
+    """
+    model.to_empty(device="cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(1, getattr(model, "in_chans", 3), img_size, img_size)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            model.eval()(x)
     root = type(model).__name__
     lk_names = {f"{root}.{n}" for n, m in model.named_modules() if isinstance(m, LargeKernelConv)}
     lk_flops = sum(sum(ops.values()) for n, ops in counter.get_flop_counts().items() if n in lk_names)
@@ -63,15 +71,16 @@ def num_params(model: nn.Module) -> int:
 
 
 def info(name: str, img_size: int = 224, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Params in training and deploy form and MACs at img_size x img_size."""
+    """Params and MACs at img_size x img_size, in training and deploy form."""
     model = build(name, kwargs or {})
-    train_params = num_params(model)
-    macs, lk_macs = count_macs(model, img_size)
-    has_lk = any(isinstance(m, LargeKernelConv) for m in model.modules())
-    deploy_params = num_params(reparameterize_model(model))
-    return dict(name=name, kwargs=kwargs or {}, img_size=img_size, params_train=train_params,
-                params_deploy=deploy_params, macs=macs, large_kernel_macs=lk_macs,
-                large_kernel_counted=lk_macs > 0 or not has_lk)
+    deployed = reparameterize_model(copy.deepcopy(model))
+    has_lk = any(isinstance(m, LargeKernelConv) for m in deployed.modules())
+    result = dict(name=name, kwargs=kwargs or {}, img_size=img_size)
+    for form, net in (("train", model), ("deploy", deployed)):
+        result[f"params_{form}"] = num_params(net)
+        result[f"macs_{form}"], result[f"large_kernel_macs_{form}"] = count_macs(net, img_size)
+    result["large_kernel_counted"] = result["large_kernel_macs_deploy"] > 0 or not has_lk
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,8 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model          {result['name']} {result['kwargs'] or ''}".rstrip())
     print(f"params         {result['params_train'] / 1e6:.2f}M (train form)  "
           f"{result['params_deploy'] / 1e6:.2f}M (deploy form)")
-    print(f"MACs           {result['macs'] / 1e9:.2f}G at {args.img_size}x{args.img_size} "
-          f"(large-kernel convs {result['large_kernel_macs'] / 1e9:.2f}G)")
+    print(f"MACs           {result['macs_train'] / 1e9:.2f}G (train form)  {result['macs_deploy'] / 1e9:.2f}G "
+          f"(deploy form) at {args.img_size}x{args.img_size}; large-kernel convs "
+          f"{result['large_kernel_macs_train'] / 1e9:.2f}G / {result['large_kernel_macs_deploy'] / 1e9:.2f}G")
     if not result["large_kernel_counted"]:
         print("warning        FlopCounterMode did not see the large-kernel op: MACs exclude the large-kernel convs",
               file=sys.stderr)

@@ -54,7 +54,8 @@ class ReparamLargeKernelConv(nn.Module):
         self.kernel_size = to_kernel_size(kernel_size)
         self.small_kernel = to_kernel_size(small_kernel) if small_kernel else None
         if self.small_kernel and any(s > k for s, k in zip(self.small_kernel, self.kernel_size)):
-            raise ValueError(f"small_kernel {self.small_kernel} must fit inside the large kernel {self.kernel_size}")
+            raise ValueError(f"small_kernel {self.small_kernel} must fit inside the large kernel {self.kernel_size}; "
+                             "small_kernel=0 drops the small branch (timm.create_model ignores small_kernel=None)")
         self.dilated_branches = resolve_dilated_branches(self.kernel_size, dilated_branches)
         self.deploy = deploy
         if deploy:

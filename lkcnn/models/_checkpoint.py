@@ -10,7 +10,8 @@ from timm.models.convnext import checkpoint_filter_fn as timm_convnext_filter
 
 from lkcnn.layers import ReparamLargeKernelConv
 
-_WRAPPERS = ("state_dict", "model", "model_ema", "state_dict_ema")  # first present wins: raw weights before EMA
+# first present wins; EMA first like timm.models.load_state_dict(use_ema=True), which timm's pretrained files go through
+_WRAPPERS = ("state_dict_ema", "model_ema", "state_dict", "model")
 _LIGHTNING_PREFIX = "model."  # a LightningModule holding the net at attribute `model`
 
 

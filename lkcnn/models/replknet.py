@@ -14,7 +14,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import calculate_drop_path_rates, create_classifier, to_ntuple
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
-from timm.models._manipulate import checkpoint_seq
+from timm.models._manipulate import MATCH_PREV_GROUP, checkpoint_seq
 
 from lkcnn.layers import ConvFFN, RepLKBlock, conv_bn
 from lkcnn.layers.reparam_conv import DilatedBranches
@@ -107,13 +107,14 @@ class RepLKNet(LkcnnModel, nn.Module):
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
-        """Parameter groups for layer decay: stem, then each block pair, each transition after its stage."""
+        """Parameter groups for layer decay: stem, then one group per block; a transition and the final norm join the
+        group of the block before them (timm's MATCH_PREV_GROUP)."""
         return dict(
             stem=r"^stem",
             blocks=r"^(?:stages|transitions)\.(\d+)" if coarse else [
                 (r"^stages\.(\d+)\.blocks\.(\d+)", None),
-                (r"^transitions\.(\d+)", (99999,)),
-                (r"^norm", (99999, 99999)),
+                (r"^transitions\.(\d+)", MATCH_PREV_GROUP),
+                (r"^norm", MATCH_PREV_GROUP),
             ],
         )
 
