@@ -125,10 +125,9 @@ def pass_bytes(nchw: Sequence[int], k: int, itemsize: int) -> int:
 def floors_ms(nchw: Sequence[int], k: int, dtype: str) -> dict[str, dict[str, float]]:
     """FMA and memory floors in ms per pass and for the total of the three passes."""
     rate = FP32_FMA_FLOPS if dtype == "fp32" else HALF_FMA_FLOPS
-    fma = useful_flops(nchw, k) / rate * 1e3
-    memory = pass_bytes(nchw, k, DTYPES[dtype].itemsize) / MEMORY_BYTES_PER_S * 1e3
-    return {name: {**dict.fromkeys(PASSES, ms), "total": len(PASSES) * ms} for name, ms in (("fma", fma),
-                                                                                          ("memory", memory))}
+    per_pass = {"fma": useful_flops(nchw, k) / rate * 1e3,
+                "memory": pass_bytes(nchw, k, DTYPES[dtype].itemsize) / MEMORY_BYTES_PER_S * 1e3}
+    return {name: {**dict.fromkeys(PASSES, ms), "total": len(PASSES) * ms} for name, ms in per_pass.items()}
 
 
 def ratios(num: dict[str, float] | None, den: dict[str, float] | None) -> dict[str, float] | None:
@@ -270,8 +269,7 @@ def n_input_sets(set_bytes: float) -> int:
 
 def make_inputs(cfg: Config, device: torch.device) -> list[Inputs]:
     """Fresh random input sets (never zeros) for the config, as many as n_input_sets asks for."""
-    n, c, h, w = cfg.nchw
-    dtype, k = DTYPES[cfg.dtype], cfg.k
+    c, dtype, k = cfg.nchw[1], DTYPES[cfg.dtype], cfg.k
 
     def one() -> Inputs:
         return Inputs(x=torch.randn(cfg.nchw, device=device, dtype=dtype),
@@ -357,9 +355,9 @@ def run(configs: Sequence[Config], timer: Timer, device: torch.device, with_torc
         start = time.perf_counter()
         result = bench_config(cfg, timer, device, with_torch, anchors or {})
         results.append(result)
-        row = table_row(result)
-        log(f"[{i}/{len(configs)}] {cfg.shape} k{cfg.k} {cfg.dtype}: lkcnn {row[6]} ms, torch {row[7]} ms, "
-            f"speedup {row[8]} ({time.perf_counter() - start:.1f} s)")
+        cells = dict(zip(TABLE_HEADER, table_row(result)))
+        log(f"[{i}/{len(configs)}] {cfg.shape} k{cfg.k} {cfg.dtype}: lkcnn {cells['total']} ms, torch "
+            f"{cells['torch']} ms, speedup {cells['speedup']} ({time.perf_counter() - start:.1f} s) {cells['note']}")
     return results
 
 
