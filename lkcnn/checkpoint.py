@@ -51,6 +51,7 @@ class Checkpoint:
     kind: str  # "lightning", "wrapped" (official / timm style) or "state_dict"
     state_dict: dict[str, torch.Tensor]
     spec: dict[str, Any] | None  # {"name": timm model name, "kwargs": {...}} or None when the file carries none
+    hydra_config: dict[str, Any] | None = None  # the training run's resolved config (lkcnn's training app)
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -112,7 +113,11 @@ def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} is not a state_dict: entry '{bad[0]}' is a "
                               f"{type(state_dict[bad[0]]).__name__}, not a tensor. Pass a Lightning checkpoint, a "
                               "state_dict, or a dict wrapping one under 'model' / 'state_dict'.")
-    return Checkpoint(path, kind, clean_state_dict(state_dict), _spec(obj.get("lkcnn_model"), path))
+    hydra_config = obj.get("hydra_config")
+    if isinstance(hydra_config, omegaconf.DictConfig):
+        hydra_config = omegaconf.OmegaConf.to_container(hydra_config)
+    return Checkpoint(path, kind, clean_state_dict(state_dict), _spec(obj.get("lkcnn_model"), path),
+                      hydra_config if isinstance(hydra_config, dict) else None)
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint, model_name: str) -> None:

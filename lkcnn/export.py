@@ -8,6 +8,7 @@ only when all checks pass, so a failed export leaves OUT_DIR as it was.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import safetensors.torch
 import timm
 import torch
 import yaml
-from timm.data import resolve_model_data_config
+from timm.data import resolve_data_config
 from torch import nn
 
 import lkcnn
@@ -37,6 +38,7 @@ FORMAT = "lkcnn-deployed"
 DEFAULT_RTOL = 1e-4
 CHECK_BATCH = 2  # > 1 so that the ONNX batch dimension stays dynamic
 ONNX_STANDARD_DOMAINS = ("", "ai.onnx")
+TIMM_DATA_ARGS = ("img_size", "mean", "std", "interpolation", "crop_pct")  # resolve_data_config's argument names
 LKCNN_MODELS = ["replknet*", "*_lk_*"]  # name patterns of the models lkcnn registers with timm
 
 
@@ -90,7 +92,7 @@ def export_checkpoint(
     load_weights(model, _filtered(ckpt, model, name), name)
     model.eval()
 
-    data_config = _data_config(model, input_size)
+    data_config = _data_config(model, ckpt, input_size)
     x = torch.randn(CHECK_BATCH, *data_config["input_size"])
     with torch.no_grad():
         expected = model(x)
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true",
                         help="replace an earlier export in OUT_DIR (other files there are kept)")
     parser.add_argument("--input-size", type=int, nargs=2, metavar=("H", "W"),
-                        help="input size recorded and used for the checks (default: the model's pretrained_cfg)")
+                        help="input size recorded and used for the checks (default: the training run's img_size, "
+                        "else the model's pretrained_cfg)")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
                         help="largest relative error accepted between original and deployed outputs")
     args = parser.parse_args(argv)
@@ -218,13 +221,25 @@ def _filtered(ckpt: Checkpoint, model: nn.Module, name: str) -> Checkpoint:
     except ValueError as e:
         raise CheckpointError(f"checkpoint {ckpt.path} does not fit model '{name}': {e} Was it made for another "
                               "model? Pass --model NAME and --set key=value to match it.") from None
-    return Checkpoint(ckpt.path, ckpt.kind, state_dict, ckpt.spec)
+    return dataclasses.replace(ckpt, state_dict=state_dict)
 
 
-def _data_config(model: nn.Module, input_size: tuple[int, int] | None) -> dict[str, Any]:
-    """timm's data config (input size, mean/std, interpolation, crop) for the model, with an optional H, W override."""
-    size = input_size or resolve_model_data_config(model)["input_size"][1:]
-    return resolve_model_data_config(model, args={"input_size": (getattr(model, "in_chans", 3), *size)})
+def _data_config(model: nn.Module, ckpt: Checkpoint, input_size: tuple[int, int] | None) -> dict[str, Any]:
+    """timm's data config (input size, mean/std, interpolation, crop) for the deployed model.
+
+    The training run's settings (`data.img_size` and `data.transform.*` of the stored Hydra config, named as timm's
+    resolve_data_config arguments) win over the model's pretrained_cfg; `--input-size` wins over both.
+    """
+    data = (ckpt.hydra_config or {}).get("data")
+    data = data if isinstance(data, dict) else {}
+    settings = {**data, **(data.get("transform") if isinstance(data.get("transform"), dict) else {})}
+    args = {k: settings[k] for k in TIMM_DATA_ARGS if settings.get(k) is not None}
+    if not isinstance(args.get("img_size", 0), int):  # timm takes an int; (H, W) sizes go in as input_size
+        input_size = input_size or tuple(args.pop("img_size"))
+    config = resolve_data_config(args, model=model)
+    size = tuple(input_size) if input_size else config["input_size"][1:]
+    config["input_size"] = (getattr(model, "in_chans", 3), *size)
+    return config
 
 
 def _check_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> float:

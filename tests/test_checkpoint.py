@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import timm
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -80,7 +80,9 @@ def test_real_lightning_checkpoint_needs_and_gets_safe_loading(lightning_ckpt):
     ema = read_checkpoint(path, ema=True)
     assert_same_weights(ema.state_dict, module.model_ema.module.state_dict())
     assert not torch.equal(ema.state_dict["head.weight"], ckpt.state_dict["head.weight"])  # EMA lags the weights
-    assert OmegaConf.to_container(load_file(path)["hydra_config"]) == OmegaConf.to_container(module.hparams_initial)
+    assert isinstance(load_file(path)["hydra_config"], DictConfig)  # the file really holds a pickled DictConfig
+    assert type(ckpt.hydra_config) is dict  # a pickled DictConfig comes back as a plain dict
+    assert ckpt.hydra_config == OmegaConf.to_container(module.hparams_initial)
 
 
 def test_plain_wrapped_and_safetensors_files(tmp_path):

@@ -27,9 +27,10 @@ def trained_like(name: str = "replknet_tiny", **kwargs) -> torch.nn.Module:
     return randomize_bn(timm.create_model(name, **{**KWARGS, **kwargs})).eval()
 
 
-def save_lightning(path: Path, model: torch.nn.Module, ema: torch.nn.Module | None = None) -> Path:
+def save_lightning(path: Path, model: torch.nn.Module, ema: torch.nn.Module | None = None,
+                   data: dict | None = None) -> Path:
     """Save a dict shaped like the Lightning 2.x checkpoints of lkcnn's training app (test_checkpoint runs a real
-    Trainer)."""
+    Trainer); `data` is the run's data config."""
     state_dict = {f"model.{k}": v for k, v in model.state_dict().items()}
     if ema is not None:
         state_dict.update({f"model_ema.module.{k}": v for k, v in ema.state_dict().items()})
@@ -38,7 +39,7 @@ def save_lightning(path: Path, model: torch.nn.Module, ema: torch.nn.Module | No
         "epoch": 3, "global_step": 120, "pytorch-lightning_version": "2.6.6", "state_dict": state_dict,
         "loops": {"fit_loop": {"state_dict": {}}}, "callbacks": {}, "optimizer_states": [], "lr_schedulers": [],
         "hparams_name": "kwargs", "hyper_parameters": {"model": model.lkcnn_spec},
-        "lkcnn_model": model.lkcnn_spec, "hydra_config": {"model": model.lkcnn_spec},
+        "lkcnn_model": model.lkcnn_spec, "hydra_config": {"model": model.lkcnn_spec, "data": data or {}},
     }, path)
     return path
 
@@ -62,7 +63,7 @@ def test_round_trip_matches_the_original_model(ckpt, tmp_path):
     assert json.loads((out / "config.json").read_text()) == config
     assert config["model"] == {"name": "replknet_tiny", "kwargs": {**KWARGS, "deploy": True}}
     assert config["data_config"]["input_size"] == [3, *SIZE]
-    assert config["data_config"]["mean"] == list(model.pretrained_cfg["mean"])
+    assert config["data_config"]["mean"] == list(model.pretrained_cfg["mean"])  # the run's data config has none
     assert config["data_config"]["std"] == list(model.pretrained_cfg["std"])
     assert config["lkcnn_version"] == lkcnn.__version__
     assert config["weights"]["sha256"] == export._sha256(out / "model.safetensors")
@@ -83,6 +84,17 @@ def test_convnext_lk_round_trip(tmp_path, small_kernel):
     assert config["model"]["kwargs"]["deploy"] is True
     x = torch.randn(2, 3, *SIZE)
     assert rel_err(outputs(load_deployed(tmp_path / "out"), x), outputs(model, x)) < 1e-4
+
+
+def test_data_config_comes_from_the_training_run(tmp_path):
+    model = trained_like()
+    data = {"img_size": 24, "batch_size": 64, "transform": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_pct": 1.0,
+                                                            "interpolation": "bilinear", "hflip": 0.5}}
+    config = export_checkpoint(save_lightning(tmp_path / "a.ckpt", model, data=data), tmp_path / "out")
+    assert config["data_config"] == {"input_size": [3, 24, 24], "mean": [0.5] * 3, "std": [0.25] * 3,
+                                     "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
+    config = export_checkpoint(tmp_path / "a.ckpt", tmp_path / "out", force=True, input_size=(16, 20))
+    assert config["data_config"]["input_size"] == [3, 16, 20]
 
 
 def test_ema_weights_are_exported_on_request(ckpt, tmp_path):
