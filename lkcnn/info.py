@@ -15,9 +15,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import lkcnn  # noqa: F401  registers the lkcnn models with timm
 from lkcnn.layers import LargeKernelConv
-from lkcnn.models import list_models
+from lkcnn.models import list_models  # importing lkcnn.models registers the models with timm
 from lkcnn.reparam import reparameterize_model
 
 

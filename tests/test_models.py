@@ -81,6 +81,13 @@ def test_features_only_returns_every_stage():
     outs = model(torch.randn(1, 3, 64, 64))
     assert [o.shape[1:] for o in outs] == [(32, 16, 16), (64, 8, 8), (128, 4, 4), (256, 2, 2)]
     assert model.feature_info.channels() == [32, 64, 128, 256]
+    pruned = timm.create_model("replknet_tiny", features_only=True, out_indices=(1,)).eval()
+    assert [o.shape[1:] for o in pruned(torch.randn(1, 3, 64, 64))] == [(64, 8, 8)]
+    assert len(pruned.model.stages) == 2  # the stages after the last wanted feature are dropped
+    full = timm.create_model("replknet_tiny").eval()
+    x = torch.randn(1, 3, 64, 64)
+    final, early = full.forward_intermediates(x, indices=[0, 1], stop_early=True)
+    assert final.shape[1] == 64 and [e.shape[1] for e in early] == [32, 64]
 
 
 def test_layer_decay_groups_follow_depth():
@@ -265,7 +272,8 @@ def test_info_counts_replknet31b():
 
 
 def test_info_cli(capsys):
-    assert main(["replknet_tiny", "--img-size", "64", "--set", "kernel_sizes=[7,7,5,3]", "--set", "small_kernel=None"]) == 0
+    args = ["replknet_tiny", "--img-size", "64", "--set", "kernel_sizes=[7,7,5,3]", "--set", "small_kernel=None"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "replknet_tiny" in out and "deploy form" in out and "64x64" in out
     with pytest.raises(SystemExit):

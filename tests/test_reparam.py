@@ -69,6 +69,15 @@ def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def test_model_without_branches_is_marked_deployed():
+    model = timm.create_model("convnext_lk_tiny", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), kernel_sizes=9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert "deploy" not in model.lkcnn_spec["kwargs"]
+    reparameterize_model(model)
+    assert model.lkcnn_spec["kwargs"]["deploy"] is True
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing to merge, nothing changed
+
+
 def test_every_registered_model_is_covered():
     covered = {"replknet_tiny", "replknet31b", "replknet31l", "replknet_xl", "convnext_lk_tiny"}
     assert set(lkcnn.models.list_models()) == covered

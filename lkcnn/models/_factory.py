@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import json
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -19,8 +20,10 @@ _NOT_ARCHITECTURE = {"pretrained_cfg", "pretrained_cfg_overlay", "pretrained_str
 
 
 def _jsonable(value: Any) -> Any:
-    """Tuples become lists so that the spec round-trips through JSON unchanged."""
-    if isinstance(value, (tuple, list)):
+    """Tuples (and config containers such as OmegaConf's) become lists / dicts, so the spec round-trips through JSON."""
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
         return [_jsonable(v) for v in value]
     return value
 
@@ -45,6 +48,10 @@ class LkcnnModel:
             if all(deployed):
                 kwargs["deploy"] = True
         return {"name": self._lkcnn_name, "kwargs": kwargs}
+
+    def mark_deployed(self) -> None:
+        """Record deploy=True in the spec (for models whose modules cannot tell, having nothing to merge)."""
+        self._lkcnn_kwargs = {**self._lkcnn_kwargs, "deploy": True}
 
 
 def spec_kwargs(model_cls: type, model_args: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:

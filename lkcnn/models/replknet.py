@@ -155,7 +155,7 @@ class RepLKNet(LkcnnModel, nn.Module):
                 x = self.transitions[i](x)
         if intermediates_only:
             return intermediates
-        return self.norm(x), intermediates
+        return (self.norm(x) if last == len(self.stages) - 1 else x), intermediates
 
     def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> list[int]:
