@@ -121,7 +121,8 @@ def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint, model_name: str) -> None:
-    """Load ``checkpoint``'s weights into ``model`` strictly; a mismatch says which keys/shapes differ and what to do."""
+    """Load ``checkpoint``'s weights into ``model`` strictly; a mismatch says which keys/shapes differ and what to
+    do."""
     expected = model.state_dict()
     given = checkpoint.state_dict
     missing = [k for k in expected if k not in given]
@@ -143,8 +144,9 @@ def _spec(spec: Any, path: Path) -> dict[str, Any] | None:
     if spec is None:
         return None
     if not (isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("kwargs", {}), dict)):
-        raise CheckpointError(f"checkpoint {path} has a malformed 'lkcnn_model' entry ({spec!r}); pass --model NAME "
-                              "(and --set key=value) to say which model it holds.")
+        raise CheckpointError(f"checkpoint {path} has a malformed 'lkcnn_model' entry ({spec!r}); it must be "
+                              "{'name': timm model name, 'kwargs': {...}}: fix it, or save only the state_dict and "
+                              "pass --model NAME.")
     return {"name": spec["name"], "kwargs": dict(spec.get("kwargs", {}))}
 
 

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         config = export_checkpoint(args.checkpoint, args.out_dir, args.model, parse_overrides(args.overrides),
                                    ema=args.ema, onnx=args.onnx, force=args.force,
                                    input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol)
-    except (CheckpointError, ExportError, FileExistsError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # CheckpointError / ExportError, bad OUT_DIR, bad LKCNN_CONV_IMPL, ...
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     files = [CONFIG_FILE, WEIGHTS_FILE] + ([ONNX_FILE] if args.onnx else [])
     print(f"exported {config['model']['name']} to {args.out_dir} ({', '.join(files)}); relative error "

@@ -11,6 +11,7 @@ import onnx
 import pytest
 import timm
 import torch
+from onnx.reference import ReferenceEvaluator
 
 import lkcnn
 from conftest import randomize_bn, rel_err
@@ -143,6 +144,9 @@ def test_onnx_graph_uses_standard_conv_nodes(ckpt, tmp_path):
     assert {(31, 31), (29, 29), (27, 27), (13, 13)} <= kernels  # the merged large kernels are plain Conv nodes
     if "onnxruntime_relative_error" in config["onnx"]:  # onnxruntime is optional
         assert config["onnx"]["onnxruntime_relative_error"] <= 1e-4
+    x = torch.randn(3, 3, *SIZE)  # another batch size: the batch dimension is dynamic
+    (got,) = ReferenceEvaluator(graph).run(None, {"input": x.numpy()})  # onnx's own reference runtime
+    assert rel_err(torch.from_numpy(got), outputs(model, x)) < 1e-4
     export_checkpoint(path, tmp_path / "out", force=True, input_size=SIZE)  # a re-export drops the stale ONNX
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
