@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
   const int slot = threadIdx.x / t.G, lt = threadIdx.x % t.G;
   const int tile = lt / t.PS, ps = lt % t.PS;  // the PS threads of one tile are adjacent lanes of one warp
   const int r0 = (tile / t.TS) * U, s0 = (tile % t.TS) * V;
-  float* sdy = smem + slot * (t.PH * t.QW + t.XR * t.XS);
+  const int slot_floats = t.PH * t.QW + t.XR * t.XS;
+  float* sdy = smem + slot * slot_floats;  // this slot's region: dy band, then x strip
   float* sx = sdy + t.PH * t.QW;
   const int64_t c = blockIdx.x;
   const int64_t begin = int64_t(blockIdx.y) * t.items_per_block;
@@ -111,14 +112,26 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int v = 0; v < V; ++v) acc[u][v] += __shfl_xor_sync(lanes, acc[u][v], offset);
-  if (ps != 0) return;
+  // Sum the slots in shared memory (each slot's partial fits in its own region), then one atomic per tap and
+  // block: atomics from every slot to the same few addresses serialise in L2 (seen on 7x7 maps, S = 32).
+  const int taps = t.TR * t.TS * U * V;
+  float* part = smem + slot * slot_floats;
+  __syncthreads();
+  if (ps == 0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int v = 0; v < V; ++v) part[(tile * U + u) * V + v] = acc[u][v];
+  }
+  __syncthreads();
   float* dwc = dw + c * g.kh * g.kw;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    if (r0 + u >= g.kh) break;
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-      if (s0 + v < g.kw) atomicAdd(dwc + (r0 + u) * g.kw + s0 + v, acc[u][v]);
+  for (int i = threadIdx.x; i < taps; i += blockDim.x) {
+    const int tl = i / (U * V), u = (i / V) % U, v = i % V;
+    const int r = (tl / t.TS) * U + u, s = (tl % t.TS) * V + v;
+    if (r >= g.kh || s >= g.kw) continue;
+    float sum = 0.f;
+    for (int k = 0; k < t.S; ++k) sum += smem[k * slot_floats + i];
+    atomicAdd(dwc + r * g.kw + s, sum);
   }
 }
 
