@@ -180,6 +180,8 @@ def test_existing_output_is_kept_unless_forced(ckpt, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "last.ckpt", "model.safetensors", "notes.txt"]
     assert (out / "notes.txt").read_text() == "mine"
     load_deployed(out)
+    with pytest.raises(FileExistsError, match="overwrite its own input"):  # re-exporting an export in place
+        export_checkpoint(out / "model.safetensors", out, "replknet_tiny", KWARGS, force=True, input_size=SIZE)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="not a folder"):
         export_checkpoint(path, tmp_path / "file", force=True, input_size=SIZE)
