@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -86,6 +87,8 @@ def export_checkpoint(
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     _check_out_dir(out_dir, force, checkpoint)
+    if onnx and not all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript")):
+        raise ExportError("--onnx needs the onnx and onnxscript packages: pip install 'lkcnn[onnx]'.")
     ckpt = read_checkpoint(checkpoint, ema=ema)
     model = _model_for(ckpt, model_name, overrides or {})
     name = model.lkcnn_spec["name"]
@@ -255,7 +258,7 @@ def _check_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what
 
 def _write_onnx(model: nn.Module, x: torch.Tensor, expected: torch.Tensor, path: Path, rtol: float) -> dict[str, Any]:
     """Export ONNX with the large-kernel conv as a standard Conv node; compare with onnxruntime when installed."""
-    import onnx  # optional dependency (lkcnn[onnx])
+    import onnx  # optional dependency (lkcnn[onnx]), checked by export_checkpoint
 
     # lkcnn's registered conv op has no ONNX translation: decompose it into its own PyTorch path (F.conv2d), which
     # exports as a standard Conv node.

@@ -151,6 +151,13 @@ def test_onnx_graph_uses_standard_conv_nodes(ckpt, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_onnx_without_its_packages_is_refused_before_any_work(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # as if not installed
+    with pytest.raises(ExportError, match=r"pip install 'lkcnn\[onnx\]'"):
+        export_checkpoint(ckpt[0], tmp_path / "out", onnx=True, input_size=SIZE)
+    assert not (tmp_path / "out").exists()
+
+
 def test_failed_equivalence_check_writes_nothing(ckpt, tmp_path, monkeypatch):
     reparameterize = export.reparameterize_model
 
