@@ -1,0 +1,11 @@
+"""lkcnn.training: the LightningModule, the DataModules (data sources) and helpers behind train.py."""
+from .datamodule import ImageDataModule
+from .errors import ConfigError, CorruptImageError, PathNotFoundError, UserError, find_user_error
+from .model_factory import build_model
+from .module import ClassificationModule
+from .resume import resolve_ckpt_path
+from .sources import DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
+
+__all__ = ["ClassificationModule", "ConfigError", "CorruptImageError", "DigitsDataModule", "ImageDataModule",
+           "ImageFolderDataModule", "PathNotFoundError", "SyntheticDataModule", "UserError", "build_model",
+           "find_user_error", "resolve_ckpt_path"]

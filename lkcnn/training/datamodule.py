@@ -1,0 +1,128 @@
+"""The DataModule machinery shared by every data source: timm transforms, loaders, mixup, corrupt-image policy.
+
+Subclasses (lkcnn.training.sources) say only where the images come from, by implementing `make_datasets`.
+Batches are (images, targets); in training the targets become soft (mixup/cutmix and label smoothing, timm's
+`Mixup` / `mixup_target`) and the module picks SoftTargetCrossEntropy for them.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from timm.data import Mixup, create_transform
+from timm.data.mixup import mixup_target
+from torch.utils.data import DataLoader, Dataset
+
+from .datasets import CorruptImage, Transform, collate_skipping_corrupt
+from .errors import ConfigError, CorruptImageError
+from .seeding import EpochShuffleSampler
+
+log = logging.getLogger(__name__)
+
+ON_CORRUPT = ("skip", "error")
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Image classification data: (train, val) datasets from `make_datasets`, loaded and augmented the timm way.
+
+    Args:
+        num_classes: classes in the dataset (the model config reads it as ${data.num_classes}).
+        img_size: square input resolution fed to the model.
+        batch_size: per-device batch size (total = batch_size * devices * accumulate_grad_batches).
+        num_workers, pin_memory: DataLoader settings (pinning only happens when CUDA is present).
+        transform: keyword arguments for timm.data.create_transform (training and eval use the same dict;
+            timm ignores the training-only keys for eval).
+        mixup: keyword arguments for timm.data.Mixup (mixup_alpha, cutmix_alpha, prob, ...), or None.
+        label_smoothing: applied to the training targets (inside Mixup when mixup is on).
+        on_corrupt: "skip" drops undecodable images and counts them in a warning; "error" stops at the first.
+        seed: shuffling and worker seeds derive from (seed, epoch); see lkcnn.training.seeding.
+    """
+
+    def __init__(self, num_classes: int, img_size: int, batch_size: int, num_workers: int = 0,
+                 pin_memory: bool = True, transform: Mapping[str, Any] | None = None,
+                 mixup: Mapping[str, Any] | None = None, label_smoothing: float = 0.0, on_corrupt: str = "skip",
+                 seed: int = 0) -> None:
+        super().__init__()
+        if on_corrupt not in ON_CORRUPT:
+            raise ConfigError(f"data.on_corrupt={on_corrupt!r} must be one of {', '.join(ON_CORRUPT)}")
+        if mixup and batch_size % 2:
+            raise ConfigError(f"mixup/cutmix needs an even batch, got data.batch_size={batch_size}")
+        self.num_classes = num_classes
+        self.img_size = img_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.transform = dict(transform or {})
+        self.label_smoothing = label_smoothing
+        self.on_corrupt = on_corrupt
+        self.seed = seed
+        self.mixup = Mixup(num_classes=num_classes, label_smoothing=label_smoothing, **mixup) if mixup else None
+        self.num_corrupt = 0
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def make_datasets(self, train_transform: Transform, eval_transform: Transform) -> tuple[Dataset, Dataset]:
+        """(train, val) datasets yielding (image tensor, class index) or a CorruptImage marker."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self.make_datasets(
+                create_transform(self.img_size, is_training=True, **self.transform),
+                create_transform(self.img_size, is_training=False, **self.transform))
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        sampler = EpochShuffleSampler(dataset, self.seed) if train else None
+        if sampler is not None and self.trainer is not None:
+            # the first epoch of a (resumed) run builds its iterator before Lightning calls set_epoch
+            sampler.set_epoch(self.trainer.current_epoch)
+        return DataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, drop_last=train,
+            generator=sampler.generator if sampler is not None else None,
+            num_workers=self.num_workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
+            collate_fn=collate_skipping_corrupt)
+
+    def train_dataloader(self) -> DataLoader:
+        if len(self.train_set) < self.batch_size:
+            raise ConfigError(f"the training set has {len(self.train_set)} images, fewer than "
+                              f"data.batch_size={self.batch_size}: lower the batch size")
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Account for the corrupt images the collate function set aside (runs in the main process)."""
+        images, targets, corrupt = batch
+        if corrupt:
+            self._report_corrupt(corrupt)
+        if images is None:
+            raise CorruptImageError(f"every image of a batch failed to decode, e.g. {corrupt[0].path} "
+                                    f"({corrupt[0].error}): check the dataset files")
+        return images, targets
+
+    def _report_corrupt(self, corrupt: list[CorruptImage]) -> None:
+        first = corrupt[0]
+        if self.on_corrupt == "error":
+            raise CorruptImageError(f"cannot decode {first.path} ({first.error}). Remove or replace the file, "
+                                    "or set data.on_corrupt=skip to skip such images with a warning")
+        self.num_corrupt += len(corrupt)
+        log.warning("skipped %d corrupt image(s), %d so far in this run (last: %s: %s); "
+                    "set data.on_corrupt=error to stop instead", len(corrupt), self.num_corrupt,
+                    first.path, first.error)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training batches get soft targets: mixup/cutmix (on the device) and label smoothing."""
+        images, targets = batch
+        if self.trainer is None or not self.trainer.training:
+            return images, targets
+        if self.mixup is not None:
+            if len(images) % 2:  # a skipped corrupt image left an odd batch; timm's Mixup needs pairs
+                images, targets = images[:-1], targets[:-1]
+            return self.mixup(images, targets)
+        if self.label_smoothing > 0:
+            return images, mixup_target(targets, self.num_classes, smoothing=self.label_smoothing)
+        return images, targets

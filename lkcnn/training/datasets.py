@@ -1,0 +1,89 @@
+"""Map-style datasets for the data sources, and the collate function that sets corrupt images aside.
+
+A corrupt file must not crash a DataLoader worker: the dataset returns a `CorruptImage` marker instead of a sample,
+`collate_skipping_corrupt` drops markers from the batch and passes them on as a third element, and the
+DataModule (main process) counts them in a warning or stops with a clear message.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, default_collate
+from torchvision.datasets.folder import default_loader
+
+Transform = Callable[[Image.Image], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CorruptImage:
+    """Stands in for a sample whose file could not be decoded."""
+
+    path: str
+    error: str
+
+
+class ImageFiles(Dataset):
+    """(path, class index) pairs decoded with PIL (or accimage, torchvision's default loader) and transformed."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Transform) -> None:
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | CorruptImage:
+        path, target = self.samples[index]
+        try:
+            image = default_loader(path)  # decodes fully (convert("RGB")), so truncation shows up here
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:  # what PIL raises
+            return CorruptImage(path, f"{type(err).__name__}: {err}")
+        return self.transform(image), target
+
+
+class ArrayImages(Dataset):
+    """Grayscale uint8 images (N, H, W) held in memory, served as RGB PIL images through `transform`."""
+
+    def __init__(self, images: np.ndarray, targets: np.ndarray, transform: Transform) -> None:
+        self.images = images
+        self.targets = targets
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = Image.fromarray(self.images[index]).convert("RGB")  # uint8 (H, W) -> mode "L"
+        return self.transform(image), int(self.targets[index])
+
+
+class RandomImages(Dataset):
+    """Normal-noise images with labels `index % num_classes`, the same for an index every time (throughput runs)."""
+
+    def __init__(self, num_samples: int, num_classes: int, img_size: int) -> None:
+        self.num_samples = num_samples
+        self.num_classes = num_classes
+        self.img_size = img_size
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        noise = torch.Generator().manual_seed(index)
+        return torch.randn(3, self.img_size, self.img_size, generator=noise), index % self.num_classes
+
+
+def collate_skipping_corrupt(samples: list[Any]) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                           list[CorruptImage]]:
+    """(images, targets, corrupt markers); images and targets are None when every sample was corrupt."""
+    corrupt = [s for s in samples if isinstance(s, CorruptImage)]
+    good = [s for s in samples if not isinstance(s, CorruptImage)]
+    if not good:
+        return None, None, corrupt
+    images, targets = default_collate(good)
+    return images, targets, corrupt

@@ -1,0 +1,136 @@
+"""The LightningModule: a timm/lkcnn classifier trained with timm's optimizer, scheduler, losses and EMA.
+
+Checkpoint contract (read by lkcnn's exporter):
+- `state_dict`: the network under `model.<official keys>`, its EMA copy under `model_ema.module.<official keys>`;
+- `checkpoint["lkcnn_model"]`: `model.lkcnn_spec` ({"name", "kwargs"}), enough for timm.create_model;
+- `checkpoint["hydra_config"]`: the resolved run config as a plain dict.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from timm.loss import SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.scheduler.scheduler import Scheduler
+from timm.utils import ModelEmaV3
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+
+from .errors import ConfigError
+from .model_factory import build_model
+from .seeding import reseed_globals
+
+
+class ClassificationModule(L.LightningModule):
+    """Image classification with an lkcnn (or any timm) model.
+
+    Args:
+        model: `conf/model/*.yaml` node: `name` and the keyword arguments of timm.create_model.
+        optim: `conf/optim/*.yaml` node: `optimizer` (create_optimizer_v2 kwargs, `lr` for a total batch of
+            `lr_base_batch` when that is set, else as is) and `scheduler` (create_scheduler_v2 kwargs), stepped
+            every iteration.
+        conv_impl: large-kernel conv implementation (auto|cuda|torch), exported as LKCNN_CONV_IMPL.
+        ema: timm ModelEmaV3 kwargs (decay, use_warmup, ...) or None; the EMA weights are validated too.
+        seed: run seed; every epoch re-seeds torch/numpy/random from (seed, epoch, rank) so resumes repeat.
+        channels_last, compile, grad_checkpointing: speed/memory options.
+
+    `hydra_config` (the resolved run config as a plain dict, set by train.py) goes into every checkpoint.
+    """
+
+    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], conv_impl: str = "auto",
+                 ema: Mapping[str, Any] | None = None, seed: int = 0, channels_last: bool = False,
+                 compile: bool = False, grad_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.hydra_config: dict[str, Any] | None = None
+        self.model = build_model(model, conv_impl)
+        if grad_checkpointing:
+            if not hasattr(self.model, "set_grad_checkpointing"):
+                raise ConfigError(f"{model['name']} has no set_grad_checkpointing: set module.grad_checkpointing=false")
+            self.model.set_grad_checkpointing(True)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.model.to(memory_format=self.memory_format)
+        self.model_ema = ModelEmaV3(self.model, **ema) if ema else None
+        if compile:
+            self.model.compile()  # in place: state_dict keys stay model.<official keys>
+        num_classes = self.model.num_classes
+        metrics = MetricCollection({
+            "acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+            "acc5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
+        })
+        self.val_metrics = metrics.clone(prefix="val/")
+        self.val_ema_metrics = metrics.clone(prefix="val_ema/") if self.model_ema is not None else None
+        self.soft_target_loss = SoftTargetCrossEntropy()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images.contiguous(memory_format=self.memory_format))
+
+    def on_train_epoch_start(self) -> None:
+        reseed_globals(self.hparams.seed, self.current_epoch, self.global_rank)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        logits = self(images)
+        # soft targets come from mixup/cutmix or label smoothing (see ImageDataModule)
+        loss = self.soft_target_loss(logits, targets) if targets.ndim == 2 else F.cross_entropy(logits, targets)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images))
+        return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.model_ema is not None:
+            self.model_ema.update(self.model, step=self.global_step)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, targets = batch
+        self._evaluate(self(images), targets, self.val_metrics, "val")
+        if self.model_ema is not None:
+            logits = self.model_ema.module(images.contiguous(memory_format=self.memory_format))
+            self._evaluate(logits, targets, self.val_ema_metrics, "val_ema")
+
+    def _evaluate(self, logits: torch.Tensor, targets: torch.Tensor, metrics: MetricCollection, prefix: str) -> None:
+        metrics.update(logits, targets)
+        self.log(f"{prefix}/loss", F.cross_entropy(logits, targets), batch_size=len(targets))
+        self.log_dict(metrics, prog_bar=prefix == "val", batch_size=len(targets))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optim = self.hparams.optim
+        kwargs = dict(optim["optimizer"])
+        kwargs["lr"] = self.scaled_lr(kwargs["lr"], optim.get("lr_base_batch"))
+        optimizer = create_optimizer_v2(self.model, **kwargs)
+        epochs = self.trainer.max_epochs
+        if not epochs or epochs < 1:
+            raise ConfigError("the cosine schedule is laid out over epochs: set trainer.max_epochs")
+        updates_per_epoch = math.ceil(self.trainer.estimated_stepping_batches / epochs)
+        scheduler, _ = create_scheduler_v2(optimizer, num_epochs=epochs, step_on_epochs=False,
+                                           updates_per_epoch=updates_per_epoch, **optim["scheduler"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def scaled_lr(self, lr: float, lr_base_batch: int | None) -> float:
+        """`lr` as given, or linearly scaled from a total batch of `lr_base_batch` to this run's total batch."""
+        if not lr_base_batch:
+            return lr
+        datamodule = self.trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "batch_size"):
+            raise ConfigError("optim.lr_base_batch needs a DataModule with a batch_size to scale the lr")
+        total = datamodule.batch_size * self.trainer.accumulate_grad_batches * self.trainer.world_size
+        return lr * total / lr_base_batch
+
+    def lr_scheduler_step(self, scheduler: Scheduler, metric: Any) -> None:
+        # timm schedulers step by update count (Lightning's default would call step() as for torch schedulers)
+        scheduler.step_update(num_updates=self.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lkcnn_model"] = copy.deepcopy(self.model.lkcnn_spec)
+        checkpoint["hydra_config"] = self.hydra_config
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.hydra_config is None:  # load_from_checkpoint: keep the config of the run that wrote it
+            self.hydra_config = checkpoint.get("hydra_config")

@@ -1,0 +1,49 @@
+"""Train a large-kernel CNN: compose conf/train.yaml with the command-line overrides, instantiate, fit.
+
+    python train.py                      # replknet_tiny on scikit-learn's digits (CPU or GPU, a few minutes)
+    python train.py --help               # groups, options, examples, how to resume
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit, then validate the best checkpoint (Lightning prints the metrics table); returns those metrics."""
+    # imported here so that --help and --cfg answer without loading torch
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from lkcnn.training import resolve_ckpt_path
+
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    module = instantiate(cfg.module)
+    module.hydra_config = OmegaConf.to_container(cfg, resolve=True)  # saved in every checkpoint
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir))
+    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    return trainer.validate(module, datamodule=datamodule, ckpt_path=best or None)[0]
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> Any:
+    try:
+        return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
+    except Exception as err:
+        from lkcnn.training.errors import find_user_error
+
+        user_error = find_user_error(err)
+        if user_error is None:
+            raise
+        sys.exit(f"Error: {user_error}")
+
+
+if __name__ == "__main__":
+    main()
