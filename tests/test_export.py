@@ -7,17 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import onnx
 import pytest
 import timm
 import torch
 from onnx.reference import ReferenceEvaluator
+from torch.utils.data import DataLoader, TensorDataset
 
 import lkcnn
 from conftest import randomize_bn, rel_err
 from lkcnn import export
 from lkcnn.checkpoint import CheckpointError
 from lkcnn.export import ExportError, export_checkpoint, load_deployed, main
+from lkcnn.training.module import ClassificationModule
 
 SIZE = (32, 32)  # small inputs keep the CPU tests fast; the large kernels still overhang the maps
 KWARGS = {"num_classes": 5}
@@ -96,6 +99,25 @@ def test_data_config_comes_from_the_training_run(tmp_path):
                                      "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"}
     config = export_checkpoint(tmp_path / "a.ckpt", tmp_path / "out", force=True, input_size=(16, 20))
     assert config["data_config"]["input_size"] == [3, 16, 20]
+
+
+def test_checkpoint_of_lkcnn_training_module_exports(tmp_path, monkeypatch):
+    """The contract with lkcnn.training: its real LightningModule, trained for two steps, exports raw and EMA."""
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "torch")  # the module sets it from conv_impl; restored afterwards
+    module = ClassificationModule(
+        model={"name": "replknet_tiny", "num_classes": 4}, ema={"decay": 0.5}, conv_impl="torch",
+        optim={"optimizer": {"opt": "adamw", "lr": 1e-2}, "scheduler": {"sched": "cosine", "warmup_epochs": 0}})
+    module.hydra_config = {"data": {"img_size": 24, "transform": {"mean": [0.5] * 3, "std": [0.5] * 3}}}
+    data = TensorDataset(torch.randn(4, 3, 24, 24), torch.randint(0, 4, (4,)))
+    trainer = L.Trainer(max_epochs=1, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    x = torch.randn(2, 3, 24, 24)
+    for ema, net in ((False, module.model), (True, module.model_ema.module)):
+        config = export_checkpoint(tmp_path / "last.ckpt", tmp_path / f"out{ema}", ema=ema)
+        assert config["data_config"]["input_size"] == [3, 24, 24] and config["data_config"]["mean"] == [0.5] * 3
+        assert rel_err(outputs(load_deployed(tmp_path / f"out{ema}"), x), outputs(net.eval(), x)) < 1e-4
 
 
 def test_ema_weights_are_exported_on_request(ckpt, tmp_path):
