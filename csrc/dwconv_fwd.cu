@@ -24,7 +24,7 @@ constexpr int kMaxSmem = 96 * 1024;  // two blocks per SM still fit in Hopper's 
 struct FwdTile {
   int TX, TY, PB;        // threads along the width, along the height; planes per block (blockDim.z)
   int TW, TH;            // output tile
-  int IR, IS;            // staged input rows and row stride, in floats
+  int IR, IS, XLD;       // staged input rows, columns and row stride (floats, incl. the bank-group shift)
   int KWp, WR;           // kernel width padded to V, kernel rows incl. the U-1 zero rows on each side
   int tiles_w, tiles_h;
 };
@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
                                                          const ConvGeom g, const FwdTile t) {
   extern __shared__ __align__(16) float smem[];
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
-  float* sx = smem + tz * (t.IR * t.IS + t.WR * t.KWp);
-  float* sw = sx + t.IR * t.IS;
+  float* sx = smem + tz * (t.IR * t.XLD + t.WR * t.KWp);
+  float* sw = sx + t.IR * t.XLD;
 
   const unsigned tiles = unsigned(t.tiles_w) * unsigned(t.tiles_h);
   const unsigned tile = blockIdx.x % tiles;
@@ -50,10 +50,10 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
     const int nthr = blockDim.x * blockDim.y, tid = ty * blockDim.x + tx;
     // Columns past TW+kw-1 only ever meet zero weights; they are stored as zeros so that a non-finite input
     // outside an output's receptive field cannot reach it through 0*inf.
-    stage_tile(sx, x + n * g.xs_n + c * g.xs_c, t.IR, t.IS, p0 - g.ph, q0 - g.pw, t.TW + g.kw - 1, g.H, g.W, g.xs_h,
+    stage_tile<U>(sx, x + n * g.xs_n + c * g.xs_c, t.IR, t.IS, p0 - g.ph, q0 - g.pw, t.TW + g.kw - 1, g.H, g.W, g.xs_h,
                g.xs_w, tid, nthr);
     // The kernel, with U-1 zero rows above and below and zero columns up to KWp.
-    stage_tile(sw, w + c * g.kh * g.kw, t.WR, t.KWp, -(U - 1), 0, t.KWp, g.kh, g.kw, int64_t(g.kw), int64_t(1), tid,
+    stage_tile<0>(sw, w + c * g.kh * g.kw, t.WR, t.KWp, -(U - 1), 0, t.KWp, g.kh, g.kw, int64_t(g.kw), int64_t(1), tid,
                nthr);
   }
   __syncthreads();
@@ -74,9 +74,8 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[u][v] = 0.f;
 
-  const float* xs = sx + (ty * U) * t.IS + tx * V;
   for (int tt = tlo; tt < thi; ++tt) {
-    const float* xr = xs + tt * t.IS;
+    const float* xr = sx + row_offset<U>(ty * U + tt, t.XLD) + tx * V;
     const float* wr = sw + (tt + U - 1) * t.KWp;  // kernel row tt - u lives at wr - u * KWp
     float buf[2 * V];
 #pragma unroll
@@ -124,10 +123,11 @@ FwdTile plan_fwd(const ConvGeom& g) {
   t.KWp = ceil_div(g.kw, V) * V;
   t.IR = t.TH + g.kh - 1;
   t.IS = t.TW + t.KWp;
+  t.XLD = staged_ld<U>(t.IS);
   t.WR = g.kh + 2 * (U - 1);
   t.tiles_w = ceil_div(int(g.W), t.TW);
   t.tiles_h = ceil_div(int(g.H), t.TH);
-  const int plane_bytes = int(sizeof(float)) * (t.IR * t.IS + t.WR * t.KWp);
+  const int plane_bytes = int(sizeof(float)) * (t.IR * t.XLD + t.WR * t.KWp);
   const int64_t planes = g.N * g.C;
   t.PB = int(std::min<int64_t>({std::max(1, 128 / (t.TX * t.TY)), int64_t(64), std::max(1, kMaxSmem / plane_bytes),
                                 planes}));
@@ -141,7 +141,7 @@ void run_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, a
   const FwdTile t = plan_fwd<U, V>(g);
   const int64_t blocks = (g.N * g.C + t.PB - 1) / t.PB * t.tiles_w * t.tiles_h;
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
-  const int smem = int(sizeof(float)) * t.PB * (t.IR * t.IS + t.WR * t.KWp);
+  const int smem = int(sizeof(float)) * t.PB * (t.IR * t.XLD + t.WR * t.KWp);
   auto kernel = dwconv_fwd_kernel<T, U, V>;
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 block(t.TX, t.TY, t.PB);
@@ -158,11 +158,10 @@ void launch_dwconv_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const c10::cuda::CUDAGuard guard(x.device());
   const ConvGeom g = make_geom(x, y, w.size(1), w.size(2), ph, pw);
   if (g.N * g.C == 0 || g.H == 0 || g.W == 0) return;
-  const bool tall = g.H >= 16, wide = g.W >= 8;
+  // U = 2 rows per thread: U = 4 needed twice the shared memory per thread and held occupancy to 8 warps per SM
+  // (docs/performance.md, v3). V = 4 for maps narrower than 8.
   LKCNN_DISPATCH_FLOAT_TYPES(x.scalar_type(), "lkcnn_dwconv_fwd", [&] {
-    if (tall && wide) run_fwd<scalar_t, 4, 8>(x, w, bias, y, g);
-    else if (tall) run_fwd<scalar_t, 4, 4>(x, w, bias, y, g);
-    else if (wide) run_fwd<scalar_t, 2, 8>(x, w, bias, y, g);
+    if (g.W >= 8) run_fwd<scalar_t, 2, 8>(x, w, bias, y, g);
     else run_fwd<scalar_t, 2, 4>(x, w, bias, y, g);
   });
 }

@@ -22,7 +22,7 @@ namespace lkcnn {
 namespace {
 
 constexpr int kU = 4, kV = 8;
-constexpr int kSlotBytes = 24 * 1024;  // shared memory per slot, before falling back to fewer dy rows per item
+constexpr int kSlotBytes = 16 * 1024;  // shared memory per slot, before falling back to fewer dy rows per item
 constexpr int kMaxSmem = 96 * 1024;
 
 struct WgradTile {
@@ -30,7 +30,7 @@ struct WgradTile {
   int G, S;          // group size TR*TS*PS; groups (slots) per block
   int PH, chunks;    // dy rows per item; items per sample
   int QW;            // dy row stride: W rounded up to V
-  int XR, XS;        // staged x rows and row stride
+  int XR, XS, XLD;   // staged x rows, columns and row stride (incl. the bank-group shift)
   int KWp;
   int64_t items, items_per_block;
 };
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
   const int slot = threadIdx.x / t.G, lt = threadIdx.x % t.G;
   const int tile = lt / t.PS, ps = lt % t.PS;  // the PS threads of one tile are adjacent lanes of one warp
   const int r0 = (tile / t.TS) * U, s0 = (tile % t.TS) * V;
-  const int slot_floats = t.PH * t.QW + t.XR * t.XS;
+  const int slot_floats = t.PH * t.QW + t.XR * t.XLD;
   float* sdy = smem + slot * slot_floats;  // this slot's region: dy band, then x strip
   float* sx = sdy + t.PH * t.QW;
   const int64_t c = blockIdx.x;
@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
     const int pa = int(item % t.chunks) * t.PH;  // first dy row of this item
     __syncthreads();  // the previous items are consumed before their tiles are overwritten
     if (valid) {
-      stage_tile(sdy, dy + n * g.xs_n + c * g.xs_c, t.PH, t.QW, pa, 0, t.QW, g.H, g.W, g.xs_h, g.xs_w, lt, t.G);
-      stage_tile(sx, x + n * g.ys_n + c * g.ys_c, t.XR, t.XS, pa - g.ph, -g.pw, t.XS, g.H, g.W, g.ys_h, g.ys_w, lt, t.G);
+      stage_tile<0>(sdy, dy + n * g.xs_n + c * g.xs_c, t.PH, t.QW, pa, 0, t.QW, g.H, g.W, g.xs_h, g.xs_w, lt, t.G);
+      stage_tile<U>(sx, x + n * g.ys_n + c * g.ys_c, t.XR, t.XS, pa - g.ph, -g.pw, t.XS, g.H, g.W, g.ys_h, g.ys_w, lt, t.G);
     }
     __syncthreads();
     if (!valid) continue;
@@ -78,12 +78,14 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
     const int qhi = min(t.QW, g.pw + int(g.W) - s0);
     for (int p = plo + ps; p < phi; p += t.PS) {
       const float* dyr = sdy + p * t.QW;
-      const float* xr = sx + (p + r0) * t.XS + s0;
+      const float* xr[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) xr[u] = sx + row_offset<U>(p + r0 + u, t.XLD) + s0;
       float buf[U][2 * V];
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int i = 0; i < V; i += 4) load4(buf[u] + i, xr + u * t.XS + qlo + i);
+        for (int i = 0; i < V; i += 4) load4(buf[u] + i, xr[u] + qlo + i);
       for (int q0 = qlo; q0 < qhi; q0 += V) {
         float dv[V];
 #pragma unroll
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int i = 0; i < V; i += 4) load4(buf[u] + V + i, xr + u * t.XS + q0 + V + i);
+          for (int i = 0; i < V; i += 4) load4(buf[u] + V + i, xr[u] + q0 + V + i);
 #pragma unroll
         for (int j = 0; j < V; ++j)
 #pragma unroll
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
 // Shared memory of one slot holding `rows` dy rows (and the x rows they meet).
 int slot_bytes(int rows, int64_t W, int kh, int kw) {
   const int QW = ceil_div(int(W), kV) * kV, XS = QW + ceil_div(kw, kV) * kV;
-  return int(sizeof(float)) * (rows * QW + (rows + ceil_div(kh, kU) * kU - 1) * XS);
+  return int(sizeof(float)) * (rows * QW + (rows + ceil_div(kh, kU) * kU - 1) * staged_ld<kU>(XS));
 }
 
 WgradTile plan_wgrad(const ConvGeom& g, int num_sms) {
@@ -148,6 +150,7 @@ WgradTile plan_wgrad(const ConvGeom& g, int num_sms) {
   t.TR = ceil_div(g.kh, kU);
   t.QW = ceil_div(int(g.W), kV) * kV;
   t.XS = t.QW + t.KWp;
+  t.XLD = staged_ld<kU>(t.XS);
   auto bytes = [&](int rows) { return slot_bytes(rows, g.W, g.kh, g.kw); };
   t.PH = int(g.H);
   while (t.PH > 1 && bytes(t.PH) > kSlotBytes) t.PH = (t.PH + 1) / 2;

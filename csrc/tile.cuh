@@ -10,33 +10,47 @@ __device__ __forceinline__ void load4(float* dst, const float* src) {
   dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
 
-// dst[r * cols + c] = src[(r + r_off) * sh + (c + c_off) * sw] as fp32 where that lies inside the H x W plane and
-// c < col_end, else 0; for r < rows, c < cols, shared among nthr threads. Each thread keeps kBatch global loads in
-// flight before it stores them: one load at a time leaves the staging latency-bound (the first version of these
-// kernels spent more time staging than computing). Row and column advance by increments, with no division per
-// element.
-template <typename T>
+// Offset of column 0 of staged row r: rows of P consecutive rows alternate between a shift of 0 and 4 floats, so
+// that lanes reading rows P apart at the same column (the usual pattern, each thread owning P rows) fall in
+// different 16-byte bank groups instead of conflicting. P = 0: no shift.
+template <int P>
+__device__ __forceinline__ int row_offset(int r, int ld) {
+  if constexpr (P == 0) return r * ld;
+  else return r * ld + (((r / P) & 1) << 2);
+}
+
+// Row stride of a staged tile of `cols` columns (room for the shift of row_offset).
+template <int P>
+constexpr int staged_ld(int cols) { return P == 0 ? cols : cols + 4; }
+
+// dst[row_offset<P>(r, ld) + c] = src[(r + r_off) * sh + (c + c_off) * sw] as fp32 where that lies inside the
+// H x W plane and c < col_end, else 0; for r < rows, c < cols, shared among nthr threads. Each thread keeps kBatch
+// global loads in flight before it stores them: one load at a time leaves the staging latency-bound. Row and column
+// advance by increments, with no division per element.
+template <int P, typename T>
 __device__ __forceinline__ void stage_tile(float* __restrict__ dst, const T* __restrict__ src, int rows, int cols,
                                            int r_off, int c_off, int col_end, int H, int W, int64_t sh, int64_t sw,
                                            int tid, int nthr) {
   constexpr int kBatch = 8;
-  const int total = rows * cols;
+  const int total = rows * cols, ld = staged_ld<P>(cols);
   const int dr = nthr / cols, dc = nthr - dr * cols;
   int r = tid / cols, c = tid - r * cols;
   for (int base = tid; base < total; base += kBatch * nthr) {
     float v[kBatch];
+    int at[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
       const int gr = r + r_off, gc = c + c_off;
       const bool inside = base + k * nthr < total && c < col_end && gr >= 0 && gr < H && gc >= 0 && gc < W;
       v[k] = inside ? static_cast<float>(src[gr * sh + gc * sw]) : 0.f;
+      at[k] = row_offset<P>(r, ld) + c;
       c += dc;
       r += dr;
       if (c >= cols) { c -= cols; ++r; }
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
-      if (base + k * nthr < total) dst[base + k * nthr] = v[k];
+      if (base + k * nthr < total) dst[at[k]] = v[k];
   }
 }
 

@@ -1,0 +1,68 @@
+"""End-to-end training-step throughput of RepLKNet-31B (bf16 autocast, AdamW) on one GPU, lkcnn's kernels vs
+PyTorch's convolution vs the same net with 3x3 kernels: the numbers behind docs/performance.md's end-to-end table.
+(The Hydra/Lightning route is `python train.py model=replknet31b data=synthetic ...`; this script needs neither.)
+
+    python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import timm
+import torch
+import torch.nn.functional as F
+
+import lkcnn  # noqa: F401  registers the models
+
+
+def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, **model_kwargs) -> float:
+    os.environ["LKCNN_CONV_IMPL"] = impl
+    model = timm.create_model("replknet31b", **model_kwargs).cuda()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last)
+    runs = {
+        "lkcnn kernels, 31-29-27-13 + 5x5": images_per_s("cuda", **common),
+        "PyTorch conv, 31-29-27-13 + 5x5": images_per_s("torch", **common),
+        "lkcnn kernels, 3x3, no small branch": images_per_s("cuda", kernel_sizes=3, small_kernel=None, **common),
+        "PyTorch conv, 3x3, no small branch": images_per_s("torch", kernel_sizes=3, small_kernel=None, **common),
+    }
+    print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {torch.cuda.get_device_name()}")
+    for name, ips in runs.items():
+        print(f"{name:40s} {ips:8.1f} img/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "images_per_s": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
