@@ -14,11 +14,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 $PY scripts/compile_check.py 90 >"$OUT/ptxas.log" 2>&1 &
 ptxas_pid=$!
 
-t0=$(date +%s.%N)
+t0=$(date +%s%N)
 if ! $PY -m lkcnn.ops.build -v >"$OUT/build.log" 2>&1; then tail -40 "$OUT/build.log"; exit 1; fi
-t1=$(date +%s.%N)
+t1=$(date +%s%N)
 $PY -m lkcnn.ops.build >"$OUT/warm.log" 2>&1
-t2=$(date +%s.%N)
+t2=$(date +%s%N)
 
 trc=skipped brc=skipped
 if [ "$mode" != bench ]; then
@@ -30,7 +30,7 @@ fi
 wait $ptxas_pid
 
 echo "== device: $(tail -1 "$OUT/gpu.txt")"
-printf '== build: cold %.1f s, warm load (new process) %.1f s\n' "$(echo "$t1 - $t0" | bc)" "$(echo "$t2 - $t1" | bc)"
+echo "== build: first $(( (t1 - t0) / 1000000 )) ms, warm load in a new process $(( (t2 - t1) / 1000000 )) ms"
 echo "== ptxas:"; grep -E "registers|spill|error" "$OUT/ptxas.log" | sort | uniq -c | head -12
 if [ "$trc" != skipped ]; then echo "== gpu tests (rc=$trc):"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25; fi
 if [ "$brc" != skipped ]; then echo "== bench (rc=$brc):"; tail -45 "$OUT/bench.log"; fi
