@@ -34,7 +34,11 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
                                                          const float* __restrict__ bias, T* __restrict__ y,
                                                          const ConvGeom g, const FwdTile t) {
   extern __shared__ __align__(16) float smem[];
-  const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
+  const int tx = threadIdx.x, tz = threadIdx.z;
+  // Row groups are dealt to threadIdx.y mirrored (0, TY-1, 1, TY-2, ...): a warp spans 32/TX row groups, and rows
+  // the same distance from the top and bottom edges skip the same number of padded input rows, so the lanes of a
+  // warp run loops of similar length (the warp runs as long as its longest lane).
+  const int ty = (threadIdx.y & 1) ? t.TY - 1 - (threadIdx.y >> 1) : (threadIdx.y >> 1);
   float* sx = smem + tz * (t.IR * t.XLD + t.WR * t.KWp);
   float* sw = sx + t.IR * t.XLD;
 
@@ -47,7 +51,7 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
   const int64_t n = plane / g.C, c = plane % g.C;
 
   if (active) {
-    const int nthr = blockDim.x * blockDim.y, tid = ty * blockDim.x + tx;
+    const int nthr = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + tx;
     // Columns past TW+kw-1 only ever meet zero weights; they are stored as zeros so that a non-finite input
     // outside an output's receptive field cannot reach it through 0*inf.
     stage_tile<U>(sx, x + n * g.xs_n + c * g.xs_c, t.IR, t.IS, p0 - g.ph, q0 - g.pw, t.TW + g.kw - 1, g.H, g.W, g.xs_h,
@@ -80,6 +84,7 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
     float buf[2 * V];
 #pragma unroll
     for (int i = 0; i < V; i += 4) load4(buf + i, xr + slo + i);
+#pragma unroll 2  // two steps per trip let the compiler rename the window instead of moving it
     for (int s0 = slo; s0 < shi; s0 += V) {
 #pragma unroll
       for (int i = 0; i < V; i += 4) load4(buf + V + i, xr + s0 + V + i);

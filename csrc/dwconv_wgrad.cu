@@ -22,7 +22,7 @@ namespace lkcnn {
 namespace {
 
 constexpr int kU = 4, kV = 8;
-constexpr int kSlotBytes = 16 * 1024;  // shared memory per slot, before falling back to fewer dy rows per item
+constexpr int kSlotBytes = 24 * 1024;  // 16 KB (more blocks per SM) measured slower: docs/performance.md v3  // shared memory per slot, before falling back to fewer dy rows per item
 constexpr int kMaxSmem = 96 * 1024;
 
 struct WgradTile {
@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int i = 0; i < V; i += 4) load4(buf[u] + i, xr[u] + qlo + i);
+#pragma unroll 2  // two steps per trip let the compiler rename the windows instead of moving them
       for (int q0 = qlo; q0 < qhi; q0 += V) {
         float dv[V];
 #pragma unroll

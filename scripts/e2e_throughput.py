@@ -53,8 +53,9 @@ def main() -> None:
     runs = {
         "lkcnn kernels, 31-29-27-13 + 5x5": images_per_s("cuda", **common),
         "PyTorch conv, 31-29-27-13 + 5x5": images_per_s("torch", **common),
-        "lkcnn kernels, 3x3, no small branch": images_per_s("cuda", kernel_sizes=3, small_kernel=None, **common),
-        "PyTorch conv, 3x3, no small branch": images_per_s("torch", kernel_sizes=3, small_kernel=None, **common),
+        # small_kernel=0 drops the branch (timm.create_model drops None-valued keywords)
+        "lkcnn kernels, 3x3, no small branch": images_per_s("cuda", kernel_sizes=3, small_kernel=0, **common),
+        "PyTorch conv, 3x3, no small branch": images_per_s("torch", kernel_sizes=3, small_kernel=0, **common),
     }
     print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {torch.cuda.get_device_name()}")
     for name, ips in runs.items():

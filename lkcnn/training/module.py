@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from .errors import ConfigError
 from .model_factory import build_model
 from .seeding import reseed_globals
+
+# the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 class ClassificationModule(L.LightningModule):
