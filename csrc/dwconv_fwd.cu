@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
     float buf[2 * V];
 #pragma unroll
     for (int i = 0; i < V; i += 4) load4(buf + i, xr + slo + i);
-#pragma unroll 2  // two steps per trip let the compiler rename the window instead of moving it
     for (int s0 = slo; s0 < shi; s0 += V) {
 #pragma unroll
       for (int i = 0; i < V; i += 4) load4(buf + V + i, xr + s0 + V + i);

@@ -86,7 +86,6 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_kernel(const T* __restrict__
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int i = 0; i < V; i += 4) load4(buf[u] + i, xr[u] + qlo + i);
-#pragma unroll 2  // two steps per trip let the compiler rename the windows instead of moving them
       for (int q0 = qlo; q0 < qhi; q0 += V) {
         float dv[V];
 #pragma unroll
