@@ -170,3 +170,18 @@ def test_gpu_timings_use_cuda_events(tmp_path: Path):
     assert {r["step"] for r in result["rows"]} == {1}
     assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in result["rows"])
     assert hook_count(module) == 0
+
+
+def test_a_model_without_large_kernel_convs_gets_a_warning_not_a_table(tmp_path, caplog):
+    model = dict(name="resnet10t", num_classes=4)  # a timm model: no LargeKernelConv to time
+    optim = dict(optimizer=dict(opt="adamw", lr=1e-3), scheduler=dict(sched="cosine", warmup_epochs=0))
+    module = ClassificationModule(model, optim, ema=None)
+    data = SyntheticDataModule(num_train=2 * BATCH, num_val=BATCH, num_classes=4, img_size=16, batch_size=BATCH,
+                               num_workers=0)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[KernelTimingCallback(every_n_steps=1, warmup_steps=0, dirpath=str(tmp_path))])
+    with caplog.at_level("WARNING", logger="lkcnn.training.kernel_timing"):
+        trainer.fit(module, datamodule=data)
+    assert sum("no LargeKernelConv ran" in r.message for r in caplog.records) == 1  # once, not per timed step
+    assert not (tmp_path / "kernel_timing.csv").exists()

@@ -91,6 +91,8 @@ class KernelTimingCallback(L.Callback):
         self._layers: dict[nn.Module, _Layer] = {}
         self._handles: list[RemovableHandle] = []
         self._timed_step = -1
+        self._timing = False  # hooks are in place for the current batch
+        self._warned_empty = False
 
     def _due(self, step: int) -> bool:
         return step >= self.warmup_steps and (step - self.warmup_steps) % self.every_n_steps == 0
@@ -100,6 +102,7 @@ class KernelTimingCallback(L.Callback):
         step = trainer.global_step
         if self._due(step) and step != self._timed_step:  # with gradient accumulation: the first micro-batch
             self._timed_step = step
+            self._timing = True
             self._install(pl_module)
 
     def _install(self, pl_module: nn.Module) -> None:
@@ -138,8 +141,9 @@ class KernelTimingCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._handles:
+        if not self._timing:
             return
+        self._timing = False
         self._remove()
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # events must have completed before elapsed_time
@@ -150,9 +154,15 @@ class KernelTimingCallback(L.Callback):
                  "bwd_ms": sum(_elapsed_ms(*pair) for pair in layer.bwd) if layer.bwd else None}
                 for module, layer in self._layers.items() if layer.fwd]  # layers that ran (not the EMA copy)
         self._layers.clear()
-        if rows and trainer.is_global_zero:
+        if not trainer.is_global_zero:
+            return
+        if rows:
             self.rows += rows
             self._report(trainer, rows)
+        elif not self._warned_empty:
+            self._warned_empty = True
+            log.warning("kernel timing: no LargeKernelConv ran in the timed batch: the model has none, or it is "
+                        "compiled (a compiled model skips module hooks: set module.compile=false to time it)")
 
     def _report(self, trainer: L.Trainer, rows: list[dict[str, Any]]) -> None:
         metrics = {}
@@ -182,11 +192,12 @@ class KernelTimingCallback(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove()
-        if trainer.is_global_zero and not self.rows:
+        if trainer.is_global_zero and self._timed_step < 0:
             log.warning("kernel timing: no step was timed (the first is step %d): lower "
                         "callbacks.kernel_timing.warmup_steps or train longer", self.warmup_steps)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._timing = False
         self._remove()
         self._layers.clear()
 
