@@ -27,6 +27,7 @@ struct FwdTile {
   int IR, IS, XLD;       // staged input rows, columns and row stride (floats, incl. the bank-group shift)
   int KWp, WR;           // kernel width padded to V, kernel rows incl. the U-1 zero rows on each side
   int tiles_w, tiles_h;
+  bool mirror;           // deal row groups mirrored (only when one tile spans the map's height)
 };
 
 template <typename T, int U, int V>
@@ -35,10 +36,11 @@ __global__ void __launch_bounds__(256) dwconv_fwd_kernel(const T* __restrict__ x
                                                          const ConvGeom g, const FwdTile t) {
   extern __shared__ __align__(16) float smem[];
   const int tx = threadIdx.x, tz = threadIdx.z;
-  // Row groups are dealt to threadIdx.y mirrored (0, TY-1, 1, TY-2, ...): a warp spans 32/TX row groups, and rows
-  // the same distance from the top and bottom edges skip the same number of padded input rows, so the lanes of a
-  // warp run loops of similar length (the warp runs as long as its longest lane).
-  const int ty = (threadIdx.y & 1) ? t.TY - 1 - (threadIdx.y >> 1) : (threadIdx.y >> 1);
+  // When one tile spans the map's height, row groups are dealt to threadIdx.y mirrored (0, TY-1, 1, TY-2, ...): a
+  // warp spans 32/TX row groups, and rows the same distance from the top and bottom edges skip the same number of
+  // padded input rows, so the lanes of a warp run loops of similar length (a warp runs as long as its longest lane).
+  const int ty = !t.mirror ? int(threadIdx.y)
+                 : (threadIdx.y & 1) ? t.TY - 1 - int(threadIdx.y >> 1) : int(threadIdx.y >> 1);
   float* sx = smem + tz * (t.IR * t.XLD + t.WR * t.KWp);
   float* sw = sx + t.IR * t.XLD;
 
@@ -131,6 +133,7 @@ FwdTile plan_fwd(const ConvGeom& g) {
   t.WR = g.kh + 2 * (U - 1);
   t.tiles_w = ceil_div(int(g.W), t.TW);
   t.tiles_h = ceil_div(int(g.H), t.TH);
+  t.mirror = t.tiles_h == 1;
   const int plane_bytes = int(sizeof(float)) * (t.IR * t.XLD + t.WR * t.KWp);
   const int64_t planes = g.N * g.C;
   t.PB = int(std::min<int64_t>({std::max(1, 128 / (t.TX * t.TY)), int64_t(64), std::max(1, kMaxSmem / plane_bytes),

@@ -27,9 +27,9 @@ DEVICES, BATCH, NUM_TRAIN, LR, BASE_BATCH = 2, 4, 32, 2e-3, 64
 CPU_DDP = ["trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={DEVICES}", "trainer.precision=32-true",
            "trainer.sync_batchnorm=false", "module.ema=null", "data=synthetic", "data.img_size=16",
            "data.num_classes=4", f"data.num_train={NUM_TRAIN}", "data.num_val=8", f"data.batch_size={BATCH}",
-           "data.num_workers=0", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1",
-           "callbacks.progress_bar.refresh_rate=0", "model.small_kernel=3", f"optim.optimizer.lr={LR}",
-           f"optim.lr_base_batch={BASE_BATCH}", "optim.scheduler.warmup_epochs=0"]
+           "data.num_workers=0", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0",
+           "trainer.log_every_n_steps=1", "callbacks.progress_bar.refresh_rate=0", "model.small_kernel=3",
+           f"optim.optimizer.lr={LR}", f"optim.lr_base_batch={BASE_BATCH}", "optim.scheduler.warmup_epochs=0"]
 
 
 def train(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -161,9 +161,9 @@ def test_gpu_timings_use_cuda_events(tmp_path: Path):
     data = SyntheticDataModule(num_train=2 * BATCH, num_val=BATCH, num_classes=4, img_size=32, batch_size=BATCH,
                                num_workers=0)
     timing = KernelTimingCallback(every_n_steps=1, warmup_steps=1, dirpath=str(tmp_path))
-    trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=1, max_steps=2, limit_val_batches=0, num_sanity_val_steps=0,
-                        enable_checkpointing=False, enable_progress_bar=False, logger=False, callbacks=[timing],
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=1, max_steps=2, limit_val_batches=0,
+                        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, logger=False,
+                        callbacks=[timing], default_root_dir=tmp_path)
     trainer.fit(module, datamodule=data)
     result = json.loads((tmp_path / "kernel_timing.json").read_text())
     assert result["timer"] == "cuda events" and result["device"] != "cpu"

@@ -19,6 +19,9 @@ from . import build, reference
 IMPLS = ("auto", "cuda", "torch")
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KERNEL = 63
+# Under 'auto', kernels smaller than this go to PyTorch (cuDNN beats lkcnn's kernels on them in fp16/bf16 on the
+# H100: docs/performance.md); 'cuda' still runs lkcnn's kernels for any size.
+AUTO_MIN_KERNEL = 7
 _warned: set[str] = set()
 
 
@@ -52,7 +55,7 @@ def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int
 
 def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
     impl = conv_impl()
-    if impl == "torch":
+    if impl == "torch" or (impl == "auto" and max(kernel_size) < AUTO_MIN_KERNEL):
         return False
     reason = cuda_unsupported_reason(x, kernel_size, padding)
     if reason is None:

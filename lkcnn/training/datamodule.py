@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .datasets import CorruptImage, Transform, collate_skipping_corrupt
 from .errors import ConfigError, CorruptImageError
-from .seeding import EpochShuffleSampler
+from .seeding import DeferredStartDataLoader, EpochShuffleSampler
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,7 @@ class ImageDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         sampler = EpochShuffleSampler(dataset, self.seed) if train else None
-        if sampler is not None and self.trainer is not None:
-            # the first epoch of a (resumed) run builds its iterator before Lightning calls set_epoch
-            sampler.set_epoch(self.trainer.current_epoch)
-        return DataLoader(
+        return DeferredStartDataLoader(
             dataset, batch_size=self.batch_size, sampler=sampler, drop_last=train,
             generator=sampler.generator if sampler is not None else None,
             num_workers=self.num_workers, pin_memory=self.pin_memory and torch.cuda.is_available(),

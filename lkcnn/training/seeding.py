@@ -7,11 +7,12 @@ uninterrupted run, whatever happened before (sanity checks, validation, worker s
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 def epoch_seed(seed: int, epoch: int, rank: int = 0) -> int:
@@ -51,3 +52,29 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class DeferredStartDataLoader(DataLoader):
+    """A DataLoader whose iterator starts (draws worker seeds, takes indices, spawns workers) at the first batch.
+
+    Lightning calls iter() on the first epoch's loader early - `estimated_stepping_batches` in
+    configure_optimizers does - before a resumed run has restored its epoch and called `set_epoch`; a standard
+    iterator would then shuffle and seed the resumed epoch as epoch 0.
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        return _DeferredIterator(super().__iter__)
+
+
+class _DeferredIterator:
+    def __init__(self, start: Callable[[], Iterator[Any]]) -> None:
+        self._start = start
+        self._iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> "_DeferredIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._start()
+        return next(self._iterator)
