@@ -6,6 +6,7 @@ every kernel launch (LKCNN_DEBUG_POISON) so an unwritten element fails, and erro
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -153,15 +154,20 @@ def test_compile_fullgraph_and_autocast():
 
 
 def test_fallback_is_identical_for_unsupported_configurations(monkeypatch):
-    """Non-'same' padding and float64 go to PyTorch under 'auto', with PyTorch's exact results."""
+    """Non-'same' padding and float64 go to PyTorch under 'auto' with a warning, small kernels without one, all with
+    PyTorch's exact results."""
     monkeypatch.setenv("LKCNN_CONV_IMPL", "auto")
     x = torch.randn(2, 4, 16, 16, device="cuda")
-    w = torch.randn(4, 1, 5, 5, device="cuda")
+    w = torch.randn(4, 1, 7, 7, device="cuda")
     with pytest.warns(UserWarning, match="falls back"):
         y = dwconv2d(x, w, padding=(1, 3))
     assert torch.equal(y, F.conv2d(x, w, None, 1, (1, 3), 1, 4))
     xd, wd = x.double(), w.double()
-    assert torch.equal(dwconv2d(xd, wd), F.conv2d(xd, wd, None, 1, 2, 1, 4))
+    assert torch.equal(dwconv2d(xd, wd), F.conv2d(xd, wd, None, 1, 3, 1, 4))
+    small = torch.randn(4, 1, 5, 5, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(dwconv2d(x, small), F.conv2d(x, small, None, 1, 2, 1, 4))
 
 
 def test_cuda_impl_refuses_loudly():
