@@ -1,0 +1,148 @@
+"""Training tests on the CPU: a fast dev run of every model config at a tiny size, the speed/memory options, a
+shortened default run that learns and writes checkpoints the exporter can read, and the optimizer/schedule."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
+train_app = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_app)
+
+# a few pixels and channels, one block per stage: every model config runs in about a second
+TINY_DATA = ["data=synthetic", "data.num_classes=10", "data.img_size=32", "data.num_train=8", "data.num_val=4",
+             "data.batch_size=4", "data.num_workers=0"]
+TINY_WIDTH = {"replknet": ["+model.channels=[8,8,16,16]", "+model.depths=[1,1,1,1]"],
+              "convnext": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]"]}
+MODEL_CONFIGS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+
+
+class LrProbe(L.Callback):
+    """Records the schedule's lr (before layer-decay scaling) at every training step."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        group = trainer.optimizers[0].param_groups[0]
+        self.lrs.append(group["lr"] / group["lr_scale"])
+
+
+def make_cfg(tmp_path: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[f"paths.output_dir={tmp_path}", f"paths.runs_dir={tmp_path}",
+                                           *overrides])
+
+
+def tiny(model: str) -> list[str]:
+    return [f"model={model}", *TINY_WIDTH[model.split("_")[0].rstrip("0123456789bl")], *TINY_DATA]
+
+
+@pytest.mark.parametrize("model", MODEL_CONFIGS)
+def test_fast_dev_run_of_every_model_config(tmp_path, model):
+    metrics = train_app.train(make_cfg(tmp_path, *tiny(model), "trainer.fast_dev_run=true"))
+    assert 0 <= metrics["val/acc1"] <= metrics["val/acc5"] <= 1 and math.isfinite(metrics["val/loss"])
+    assert "val_ema/acc1" in metrics
+
+
+def test_speed_and_memory_options_train(tmp_path):
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "trainer.fast_dev_run=true", "trainer.precision=bf16-mixed",
+                   "module.channels_last=true", "module.grad_checkpointing=true", "trainer.gradient_clip_val=1.0",
+                   "data.mixup={mixup_alpha:0.8,cutmix_alpha:1.0}", "data.label_smoothing=0.1")
+    assert math.isfinite(train_app.train(cfg)["val/loss"])
+    module = instantiate(cfg.module)
+    assert all(stage.grad_checkpointing for stage in module.model.stages)
+
+
+def test_compile_keeps_the_state_dict_keys(tmp_path):
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"))
+    plain = instantiate(cfg.module)
+    compiled = instantiate(cfg.module, compile=True)
+    assert compiled.model._compiled_call_impl is not None
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+
+
+def test_default_run_shortened_learns_and_checkpoints_carry_the_contract(tmp_path):
+    cfg = make_cfg(tmp_path, "trainer.max_epochs=3", "optim.scheduler.warmup_epochs=0", "optim.optimizer.lr=4e-3")
+    metrics = train_app.train(cfg)
+    assert metrics["val/acc1"] > 0.6 and metrics["val_ema/acc1"] > 0.3  # chance is 0.1
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "last.ckpt").is_file() and len(list(checkpoints.glob("best-*.ckpt"))) == 1
+    assert (tmp_path / "csv" / "metrics.csv").is_file()
+    ckpt = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["lkcnn_model"]["name"] == "replknet_tiny"
+    assert ckpt["lkcnn_model"]["kwargs"]["kernel_sizes"] == list(cfg.model.kernel_sizes)
+    assert type(ckpt["hydra_config"]) is dict and ckpt["hydra_config"]["model"] == dict(cfg.model, num_classes=10)
+    net = {k[len("model."):] for k in ckpt["state_dict"] if k.startswith("model.")}
+    ema = {k[len("model_ema.module."):] for k in ckpt["state_dict"] if k.startswith("model_ema.module.")}
+    assert net == ema and "head.weight" in net
+    rebuilt = build_model({"name": ckpt["lkcnn_model"]["name"], **ckpt["lkcnn_model"]["kwargs"]})
+    rebuilt.load_state_dict({k: ckpt["state_dict"][f"model_ema.module.{k}"] for k in net})
+    restored = ClassificationModule.load_from_checkpoint(checkpoints / "last.ckpt", map_location="cpu")
+    assert restored.hydra_config == ckpt["hydra_config"]
+
+
+def test_optimizer_groups_lr_scaling_and_per_iteration_schedule(tmp_path):
+    batch, base = random.choice([4, 8]), random.choice([256, 512, 2048])
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), f"data.batch_size={batch}", "data.num_train=24",
+                   f"optim.lr_base_batch={base}", "optim.scheduler.warmup_epochs=1", "optim.scheduler.min_lr=0", "trainer.max_epochs=2",
+                   "optim.optimizer.layer_decay=0.7", "module.ema=null", "callbacks.progress_bar.refresh_rate=0")
+    module = instantiate(cfg.module)
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    probe = LrProbe()
+    trainer.callbacks.append(probe)
+    trainer.fit(module, datamodule=instantiate(cfg.data))
+    lrs = probe.lrs
+    optimizer = trainer.optimizers[0]
+    peak = cfg.optim.optimizer.lr * batch / base
+    assert all(group["initial_lr"] == pytest.approx(peak) for group in optimizer.param_groups)
+    for group in optimizer.param_groups:  # timm: no weight decay on 1-D params (BN, biases)
+        assert all(p.ndim <= 1 for p in group["params"]) == (group["weight_decay"] == 0)
+    scales = sorted({g["lr_scale"] for g in optimizer.param_groups})
+    assert len(scales) > 2 and scales[-1] == pytest.approx(1.0) and scales[-2] == pytest.approx(0.7)
+    steps = 24 // batch  # per epoch; warmup is the first epoch, the cosine spans both
+    expected = [1e-6 + t * (peak - 1e-6) / steps if t < steps else 0.5 * peak * (1 + math.cos(math.pi * t / steps / 2))
+                for t in range(2 * steps)]
+    assert lrs == pytest.approx(expected, rel=1e-6)  # set every iteration, not once per epoch
+
+
+def test_model_mistakes_are_config_errors(tmp_path):
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "conv_impl=torch")
+    instantiate(cfg.module)
+    assert os.environ["LKCNN_CONV_IMPL"] == "torch"
+    with pytest.raises(ConfigError, match="conv_impl='triton'"):
+        build_model(cfg.model, conv_impl="triton")
+    with pytest.raises(ConfigError, match="kernel_sizes"):
+        build_model({**cfg.model, "kernel_sizes": [13, 13]})
+    with pytest.raises(ConfigError, match="no_such_kwarg"):
+        build_model({**cfg.model, "no_such_kwarg": 1})
+    with pytest.raises(ConfigError, match="unknown model name"):
+        build_model({"name": "replknet_huge"})
+
+
+def test_ckpt_path_latest_finds_the_newest_last_ckpt(tmp_path):
+    with pytest.raises(PathNotFoundError, match="ckpt_path=latest"):
+        resolve_ckpt_path("latest", str(tmp_path))
+    runs = [tmp_path / "2026-01-01" / f"10-00-0{i}" / "checkpoints" for i in range(3)]
+    newest = random.choice(runs)
+    for i, run in enumerate(runs):
+        run.mkdir(parents=True)
+        (run / "last.ckpt").write_bytes(b"")
+        os.utime(run / "last.ckpt", (0, 1000 if run == newest else i))
+    assert resolve_ckpt_path("latest", str(tmp_path)) == str(newest / "last.ckpt")
+    assert resolve_ckpt_path(None, str(tmp_path)) is None
+    with pytest.raises(PathNotFoundError, match="is not a file"):
+        resolve_ckpt_path(str(tmp_path / "missing.ckpt"), str(tmp_path))
