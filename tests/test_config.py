@@ -28,7 +28,7 @@ def make_cfg(*overrides: str) -> DictConfig:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, check=False,
                           timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
 
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import timm
-import torch.nn as nn
+from torch import nn
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
 

@@ -62,6 +62,8 @@ class ClassificationModule(L.LightningModule):
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.model.to(memory_format=self.memory_format)
         self.model_ema = ModelEmaV3(self.model, **ema) if ema else None
+        if self.model_ema is not None:  # its deep copy still requires grad, which DDP reports as unused parameters
+            self.model_ema.requires_grad_(False)
         if compile:
             self.model.compile()  # in place: state_dict keys stay model.<official keys>
         num_classes = self.model.num_classes

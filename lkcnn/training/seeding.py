@@ -71,7 +71,7 @@ class _DeferredIterator:
         self._start = start
         self._iterator: Iterator[Any] | None = None
 
-    def __iter__(self) -> "_DeferredIterator":
+    def __iter__(self) -> _DeferredIterator:
         return self
 
     def __next__(self) -> Any:
