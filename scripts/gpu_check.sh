@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
 mode=all
-case "${1:-}" in --tests-only|--bench-only) mode=${1#--}; shift ;; esac
+case "${1:-}" in --tests-only|--bench-only) mode=${1#--}; mode=${mode%-only}; shift ;; esac
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 $PY scripts/compile_check.py 90 >"$OUT/ptxas.log" 2>&1 &

@@ -14,10 +14,14 @@ from lkcnn.ops.dwconv import conv_impl
 
 
 def _rand_case(kh, kw, bias=True):
-    c = torch.randint(1, 6, ()).item()
-    x = torch.randn(2, c, torch.randint(3, 20, ()).item(), torch.randint(3, 20, ()).item(), requires_grad=True)
-    w = torch.randn(c, 1, kh, kw, requires_grad=True)
-    b = torch.randn(c, requires_grad=True) if bias else None
+    # at least 2 channels: PyTorch's own CPU weight gradient (the reference here) segfaults for 1 channel with tall
+    # kernels; test_single_channel_tall_kernel covers that case against a brute-force sum
+    c = torch.randint(2, 6, ()).item()
+    # float64: lkcnn's CPU weight gradient sums in another order than PyTorch's (see reference.grad_weight)
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, c, torch.randint(3, 20, ()).item(), torch.randint(3, 20, ()).item(), **f64)
+    w = torch.randn(c, 1, kh, kw, **f64)
+    b = torch.randn(c, **f64) if bias else None
     return x, w, b
 
 
@@ -132,3 +136,22 @@ def test_build_directory_depends_on_sources_and_arch(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     a, b = build.build_directory("9.0"), build.build_directory("8.0")
     assert a != b and a.parent == tmp_path and a.name.startswith("lkcnn_dwconv_")
+
+
+def test_single_channel_tall_kernel():
+    """1 channel, kernel taller than the map: the case where PyTorch's CPU convolution_backward crashes."""
+    x = torch.randn(2, 1, 17, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 1, 51, 5, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 1, 17, 8, dtype=torch.float64)
+    grad_w = torch.autograd.grad(dwconv2d(x, w), w, dy)[0]
+    windows = F.pad(x.detach(), (2, 2, 25, 25)).unfold(2, 17, 1).unfold(3, 8, 1)  # (N, C, 51, 5, H, W)
+    brute = (windows * dy[:, :, None, None]).sum((0, 4, 5)).unsqueeze(1)
+    torch.testing.assert_close(grad_w, brute)
+
+
+def test_meta_tensors_and_implementation_report():
+    from lkcnn.ops import implementation
+
+    y = dwconv2d(torch.empty(2, 3, 9, 9, device="meta"), torch.empty(3, 1, 7, 7, device="meta"))
+    assert y.shape == (2, 3, 9, 9) and y.device.type == "meta"
+    assert implementation(torch.randn(1, 3, 9, 9), [7, 7], [3, 3]) == "torch"

@@ -4,6 +4,6 @@
 `torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight`.
 """
 from .build import BuildError
-from .dwconv import conv_impl, cuda_unsupported_reason, dwconv2d
+from .dwconv import conv_impl, cuda_unsupported_reason, dwconv2d, implementation
 
-__all__ = ["BuildError", "conv_impl", "cuda_unsupported_reason", "dwconv2d"]
+__all__ = ["BuildError", "conv_impl", "cuda_unsupported_reason", "dwconv2d", "implementation"]

@@ -53,20 +53,31 @@ def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int
     return None
 
 
-def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
+def _choose(x: Tensor, kernel_size: list[int], padding: list[int]) -> tuple[str, str | None]:
+    """(implementation, why lkcnn's kernels cannot run); the reason is None for a deliberate choice."""
     impl = conv_impl()
     if impl == "torch" or (impl == "auto" and max(kernel_size) < AUTO_MIN_KERNEL):
-        return False
+        return "torch", None
     reason = cuda_unsupported_reason(x, kernel_size, padding)
-    if reason is None:
-        return True
-    if impl == "cuda":
-        raise RuntimeError(f"LKCNN_CONV_IMPL=cuda, but lkcnn's CUDA kernel cannot run: {reason}. "
-                           "Use LKCNN_CONV_IMPL=auto to fall back to PyTorch.")
-    if x.is_cuda and reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"lkcnn dwconv2d falls back to PyTorch's convolution: {reason}", stacklevel=3)
-    return False
+    return ("cuda", None) if reason is None else ("torch", reason)
+
+
+def implementation(x: Tensor, kernel_size: list[int], padding: list[int]) -> str:
+    """'cuda' or 'torch': which implementation a call with these arguments runs (no warning, no error)."""
+    return _choose(x, kernel_size, padding)[0]
+
+
+def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
+    """Whether to run lkcnn's kernels; a forced 'cuda' that cannot run raises, an 'auto' fallback warns once."""
+    impl, reason = _choose(x, kernel_size, padding)
+    if reason is not None:
+        if conv_impl() == "cuda":
+            raise RuntimeError(f"LKCNN_CONV_IMPL=cuda, but lkcnn's CUDA kernel cannot run: {reason}. "
+                               "Use LKCNN_CONV_IMPL=auto to fall back to PyTorch.")
+        if x.is_cuda and reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"lkcnn dwconv2d falls back to PyTorch's convolution: {reason}", stacklevel=3)
+    return impl == "cuda"
 
 
 def _memory_format(t: Tensor) -> torch.memory_format:
@@ -148,7 +159,8 @@ def _backward(ctx, grad: Tensor):
     if ctx.needs_input_grad[1]:
         grad_w = dwconv2d_bwd_weight(grad, x, list(weight.shape[-2:]), ctx.padding)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_b = grad.sum((0, 2, 3), dtype=torch.float32).to(grad.dtype)
+        # fp16/bf16 sum in fp32, fp32/fp64 in their own precision
+        grad_b = grad.sum((0, 2, 3), dtype=torch.promote_types(grad.dtype, torch.float32)).to(grad.dtype)
     return grad_x, grad_w, grad_b, None
 
 
@@ -206,7 +218,7 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
     """
     padding = _check_args(x, weight, bias, padding)
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)

@@ -15,5 +15,11 @@ def grad_input(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
 
 
 def grad_weight(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -> Tensor:
-    shape = (x.shape[1], 1, *kernel_size)
-    return torch.nn.grad.conv2d_weight(x, shape, grad_out, 1, padding, 1, x.shape[1])
+    n, c, h, w = x.shape
+    if x.device.type == "cpu":
+        # torch 2.14's CPU convolution_backward segfaults on single-channel inputs with kernels taller than the map
+        # (e.g. 1x17x8 with 51x5). On the CPU compute the same sum as a grouped forward convolution of each (n, c)
+        # plane of x with the matching plane of grad_out, then sum over the batch.
+        planes = F.conv2d(x.reshape(1, n * c, h, w), grad_out.reshape(n * c, 1, h, w), None, 1, padding, 1, n * c)
+        return planes.reshape(n, c, *planes.shape[-2:]).sum(0).unsqueeze(1)
+    return torch.nn.grad.conv2d_weight(x, (c, 1, *kernel_size), grad_out, 1, padding, 1, c)

@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from torch.utils.hooks import RemovableHandle
 
 from lkcnn.layers import LargeKernelConv
-from lkcnn.ops.dwconv import _use_cuda  # the op's own dispatch: the table cannot disagree with what ran
+from lkcnn.ops import implementation as op_implementation  # the op's own dispatch: the table matches what ran
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _elapsed_ms(start: Mark, end: Mark) -> float:
 
 def implementation(module: LargeKernelConv, x: torch.Tensor) -> str:
     """"cuda" when lkcnn.ops.dwconv2d runs lkcnn's CUDA kernels for this call, "torch" when PyTorch's conv runs."""
-    return "cuda" if _use_cuda(x, list(module.kernel_size), list(module.padding)) else "torch"
+    return op_implementation(x, list(module.kernel_size), list(module.padding))
 
 
 @dataclass
