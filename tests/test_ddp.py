@@ -23,9 +23,8 @@ from lkcnn.training import ClassificationModule
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, BATCH, NUM_TRAIN, LR, BASE_BATCH = 2, 4, 32, 2e-3, 64
 # SyncBatchNorm runs on GPUs only (torch raises on CPU tensors); conf/trainer/ddp.yaml turns it on for real runs.
-# module.ema=null: see test_ema_copy_takes_no_gradients below.
 CPU_DDP = ["trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={DEVICES}", "trainer.precision=32-true",
-           "trainer.sync_batchnorm=false", "module.ema=null", "data=synthetic", "data.img_size=16",
+           "trainer.sync_batchnorm=false", "data=synthetic", "data.img_size=16",
            "data.num_classes=4", f"data.num_train={NUM_TRAIN}", "data.num_val=8", f"data.batch_size={BATCH}",
            "data.num_workers=0", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0",
            "trainer.log_every_n_steps=1", "callbacks.progress_bar.refresh_rate=0", "model.small_kernel=3",
@@ -88,10 +87,8 @@ def test_ddp_config_syncs_batchnorm_and_every_batchnorm_converts():
                    for m in synced.modules())
 
 
-@pytest.mark.xfail(strict=True, reason="ClassificationModule leaves requires_grad on the EMA copy: DDP then stops "
-                   "with 'parameters that were not used in producing the loss'. Fix in lkcnn/training/module.py: "
-                   "self.model_ema.requires_grad_(False) after building it (then drop module.ema=null above)")
 def test_ema_copy_takes_no_gradients():
+    """DDP registers every parameter that requires grad; an EMA copy that did would stop DDP with unused parameters."""
     model = dict(name="replknet_tiny", num_classes=4, kernel_sizes=[3, 3, 3, 3], small_kernel=3)
     module = ClassificationModule(model, dict(optimizer=dict(opt="adamw", lr=1e-3), scheduler=dict(sched="cosine")),
                                   ema=dict(decay=0.9))
