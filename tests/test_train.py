@@ -77,9 +77,10 @@ def test_compile_keeps_the_state_dict_keys(tmp_path):
 
 
 def test_default_run_shortened_learns_and_checkpoints_carry_the_contract(tmp_path):
-    cfg = make_cfg(tmp_path, "trainer.max_epochs=3", "optim.scheduler.warmup_epochs=0", "optim.optimizer.lr=4e-3")
+    cfg = make_cfg(tmp_path, "trainer.max_epochs=2", "data.batch_size=32", "optim.scheduler.warmup_epochs=0",
+                   "optim.optimizer.lr=4e-3")
     metrics = train_app.train(cfg)
-    assert metrics["val/acc1"] > 0.6 and metrics["val_ema/acc1"] > 0.3  # chance is 0.1
+    assert metrics["val/acc1"] > 0.5 and metrics["val_ema/acc1"] > 0.3  # chance is 0.1
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "last.ckpt").is_file() and len(list(checkpoints.glob("best-*.ckpt"))) == 1
     assert (tmp_path / "csv" / "metrics.csv").is_file()
