@@ -20,10 +20,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     from lkcnn.training import resolve_ckpt_path
 
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.module)
-    module.hydra_config = OmegaConf.to_container(cfg, resolve=True)  # saved in every checkpoint
+    module.hydra_config = resolved  # saved in every checkpoint
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -37,12 +38,12 @@ def main(cfg: DictConfig) -> Any:
     try:
         return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
     except Exception as err:
-        from lkcnn.training.errors import find_user_error
+        from lkcnn.training.errors import user_error_message
 
-        user_error = find_user_error(err)
-        if user_error is None:
+        message = user_error_message(err)
+        if message is None:
             raise
-        sys.exit(f"Error: {user_error}")
+        sys.exit(f"Error: {message}")
 
 
 if __name__ == "__main__":

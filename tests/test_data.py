@@ -113,13 +113,16 @@ def test_missing_root_fails_with_the_expected_layout(tmp_path):
         ImageFolderDataModule(root=str(tmp_path / "empty"), num_classes=1, **SMALL).setup("fit")
 
 
-def test_missing_root_on_the_command_line_is_one_message(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", "data=imagenet", f"data.root={tmp_path}/imagenet",
-                             f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True, check=False,
+@pytest.mark.parametrize("root, message", [
+    ("{tmp}/imagenet", "does not exist. Expected:\n  {tmp}/imagenet/train/<class>/<image>"),
+    (None, "Error: data.root has no value: set it on the command line"),
+])
+def test_missing_root_on_the_command_line_is_one_message(tmp_path, root, message):
+    args = ["data=imagenet", f"hydra.run.dir={tmp_path}/run"] + ([f"data.root={root.format(tmp=tmp_path)}"] if root else [])
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, check=False,
                             timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
     assert result.returncode == 1
-    assert "does not exist" in result.stderr and "/train/<class>/<image>" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert message.format(tmp=tmp_path) in result.stderr and "Traceback" not in result.stderr
 
 
 def make_corrupt_folder(root: Path, rng: np.random.Generator) -> None:

@@ -1,6 +1,6 @@
 """lkcnn.training: the LightningModule, the DataModules (data sources) and helpers behind train.py."""
 from .datamodule import ImageDataModule
-from .errors import ConfigError, CorruptImageError, PathNotFoundError, UserError, find_user_error
+from .errors import ConfigError, CorruptImageError, PathNotFoundError, UserError, user_error_message
 from .model_factory import build_model
 from .module import ClassificationModule
 from .resume import resolve_ckpt_path
@@ -8,4 +8,4 @@ from .sources import DigitsDataModule, ImageFolderDataModule, SyntheticDataModul
 
 __all__ = ["ClassificationModule", "ConfigError", "CorruptImageError", "DigitsDataModule", "ImageDataModule",
            "ImageFolderDataModule", "PathNotFoundError", "SyntheticDataModule", "UserError", "build_model",
-           "find_user_error", "resolve_ckpt_path"]
+           "resolve_ckpt_path", "user_error_message"]

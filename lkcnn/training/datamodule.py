@@ -107,7 +107,7 @@ class ImageDataModule(L.LightningDataModule):
             raise CorruptImageError(f"cannot decode {first.path} ({first.error}). Remove or replace the file, "
                                     "or set data.on_corrupt=skip to skip such images with a warning")
         self.num_corrupt += len(corrupt)
-        log.warning("skipped %d corrupt image(s), %d so far in this run (last: %s: %s); "
+        log.warning("skipped %d corrupt image(s), %d so far in this run (e.g. %s: %s); "
                     "set data.on_corrupt=error to stop instead", len(corrupt), self.num_corrupt,
                     first.path, first.error)
 

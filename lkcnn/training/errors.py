@@ -18,10 +18,22 @@ class CorruptImageError(UserError, OSError):
     """An image file that cannot be decoded, raised when data.on_corrupt=error."""
 
 
-def find_user_error(err: BaseException | None) -> UserError | None:
-    """The UserError behind `err`, if any: Hydra's instantiate wraps errors raised in constructors."""
-    while err is not None:
-        if isinstance(err, UserError):
-            return err
-        err = err.__cause__
+def user_error_message(err: BaseException) -> str | None:
+    """The one-line message for an error the user caused, or None for anything else (a bug: keep its traceback).
+
+    Looks through the causes, since Hydra's instantiate wraps errors raised in constructors; a `???` value that the
+    command line left unset is a user error too.
+    """
+    from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
+
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, UserError):
+            return str(cause)
+        if isinstance(cause, (MissingMandatoryValue, InterpolationToMissingValueError)):
+            # the ??? key itself; behind an interpolation only the message names it
+            key = cause.full_key if isinstance(cause, MissingMandatoryValue) else \
+                str(cause).split("Missing mandatory value: ", 1)[-1].split()[0]
+            return f"{key} has no value: set it on the command line, e.g. {key}=..."
+        cause = cause.__cause__
     return None
