@@ -16,11 +16,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, then validate the best checkpoint (Lightning prints the metrics table); returns those metrics."""
     # imported here so that --help and --cfg answer without loading torch
     import lightning as L
+    import torch
     from hydra.utils import instantiate
 
     from lkcnn.training import resolve_ckpt_path
 
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.module)

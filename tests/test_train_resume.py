@@ -15,8 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS_PER_EPOCH = 4
-OVERRIDES = ["trainer.max_epochs=2", f"trainer.limit_train_batches={STEPS_PER_EPOCH}", "trainer.limit_val_batches=1",
-             "trainer.deterministic=true", "data.num_workers=2", "data.batch_size=16",
+OVERRIDES = ["cpu_threads=1", "trainer.max_epochs=2", f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
+             "trainer.limit_val_batches=1", "trainer.deterministic=true", "data.num_workers=2", "data.batch_size=16",
              "data.mixup={mixup_alpha:0.8,cutmix_alpha:1.0}", "data.label_smoothing=0.1",
              "model.drop_path_rate=0.2", "callbacks.progress_bar.refresh_rate=0"]
 
@@ -33,10 +33,9 @@ class SigkillAtStep(L.Callback):
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    """train.py in a subprocess, single-threaded (the same thread count in every run keeps CPU math bitwise equal,
-    and two runs can share the two cores); its output goes to <run_dir>.log."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    """train.py in a subprocess, single-threaded (cpu_threads=1: the same thread count in every run keeps CPU math
+    bitwise equal, and two runs can share the two cores); its output goes to <run_dir>.log."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     with open(run_dir.with_suffix(".log"), "w") as log:
         return subprocess.Popen([sys.executable, "train.py", f"hydra.run.dir={run_dir}", *OVERRIDES, *extra],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
