@@ -218,7 +218,9 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
     """
     padding = _check_args(x, weight, bias, padding)
     device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    # meta tensors have no autocast (is_autocast_enabled raises for them); torch.amp.is_autocast_available would say
+    # so too, but torch.compile cannot trace it (torch 2.11: a graph break)
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
