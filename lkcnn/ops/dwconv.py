@@ -3,7 +3,8 @@
 Each pass is its own custom op with a fake (meta) implementation, so autograd, torch.compile (no graph break) and
 FlopCounterMode see one op per pass. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
 configuration is supported, and PyTorch's convolution otherwise. `LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice:
-`cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason.
+`cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason (and sends kernels
+under AUTO_MIN_KERNEL to PyTorch without one).
 """
 from __future__ import annotations
 
