@@ -22,6 +22,9 @@ void check_pair(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.dim() == 4 && a.sizes() == b.sizes(), what, ": expected two (N, C, H, W) tensors of one shape, got ",
               a.sizes(), " and ", b.sizes());
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(), ")");
+  const auto dtype = a.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, what,
+              ": the CUDA kernels take float32, float16 or bfloat16, got ", dtype);
 }
 
 void check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const char* what) {
@@ -43,7 +46,8 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == x.size(1) && b.device() == x.device(),
                 "lkcnn dwconv2d forward: bias must be a contiguous fp32 (C,) tensor on the input's device");
   }
-  launch_dwconv_fwd(x, w, b, y, ph, pw);
+  if (x.scalar_type() == at::kFloat) launch_dwconv_fwd(x, w, b, y, ph, pw);
+  else launch_dwconv_fwd_tc(x, w, b, y, ph, pw);
 }
 
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64_t ph, int64_t pw) {
@@ -51,7 +55,8 @@ void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64
   check_kernel(dw, x.size(1), ph, pw, "lkcnn dwconv2d weight gradient");
   TORCH_CHECK(wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
               "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
-  launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
+  if (x.scalar_type() == at::kFloat) launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
+  else launch_dwconv_wgrad_tc(grad_out, x, dw, ph, pw);
 }
 
 }  // namespace

@@ -1,19 +1,13 @@
 // Large-kernel depthwise convolution (stride 1, odd kernels, "same" padding): shared declarations.
 //
-// Every kernel stages its tile in shared memory as fp32 and accumulates in fp32, whatever the storage dtype
-// (fp32, fp16, bf16). Tensors are addressed through explicit strides, so NCHW, channels_last and other
-// non-contiguous layouts run without a copy.
+// fp32 runs on SIMT kernels (tiles staged in shared memory, FMA pipes); fp16 and bf16 run on tensor-core kernels
+// (compute capability 8.0+, band_mma.cuh). All accumulate in fp32. Tensors are addressed through explicit strides,
+// so NCHW, channels_last and other non-contiguous layouts run without a copy.
 #pragma once
 
 #include <cstdint>
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-
-// The three storage dtypes the kernels are built for (double goes to PyTorch).
-#define LKCNN_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace lkcnn {
 
@@ -41,11 +35,16 @@ ConvGeom make_geom(const at::Tensor& a, const at::Tensor& b, int64_t kh, int64_t
 
 // y = correlate(x, w) + bias, w: (C, kh, kw) fp32 contiguous, bias: fp32 (C) or undefined.
 // The input gradient is the same correlation of grad_out with the flipped kernel (the caller flips it).
+// fp32 tensors (SIMT) and fp16/bf16 tensors (tensor cores).
 void launch_dwconv_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                        int64_t ph, int64_t pw);
+void launch_dwconv_fwd_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                          int64_t ph, int64_t pw);
 
 // dw += sum over batch and space of grad_out * shifted x; dw: (C, kh, kw) fp32, zero-initialised by the caller.
 void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph, int64_t pw);
+void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
+                            int64_t pw);
 
 // Whether the weight-gradient tile for maps of width W fits in shared memory (the forward always fits for k <= 63).
 bool wgrad_supported(int64_t W, int64_t kh, int64_t kw);

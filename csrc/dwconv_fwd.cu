@@ -1,4 +1,5 @@
-// Forward (and, with a flipped kernel, input-gradient) kernel of the large-kernel depthwise convolution.
+// fp32 forward (and, with a flipped kernel, input-gradient) kernel of the large-kernel depthwise convolution on
+// the FMA pipes (fp16/bf16 run on tensor cores: dwconv_fwd_tc.cu).
 //
 // One block computes a TH x TW output tile of PB (n, c) planes. The input strip the tile needs is staged in shared
 // memory as fp32 (zeros where the "same" padding is), with the plane's kernel, which carries U-1 zero rows above
@@ -11,7 +12,6 @@
 #include "dwconv.h"
 #include "tile.cuh"
 
-#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -167,10 +167,10 @@ void launch_dwconv_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (g.N * g.C == 0 || g.H == 0 || g.W == 0) return;
   // U = 2 rows per thread: U = 4 needed twice the shared memory per thread and held occupancy to 8 warps per SM
   // (docs/performance.md, v3). V = 4 for maps narrower than 8.
-  LKCNN_DISPATCH_FLOAT_TYPES(x.scalar_type(), "lkcnn_dwconv_fwd", [&] {
-    if (g.W >= 8) run_fwd<scalar_t, 2, 8>(x, w, bias, y, g);
-    else run_fwd<scalar_t, 2, 4>(x, w, bias, y, g);
-  });
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "lkcnn dwconv2d: the SIMT forward kernel takes fp32 (fp16/bf16 run on "
+              "tensor cores)");
+  if (g.W >= 8) run_fwd<float, 2, 8>(x, w, bias, y, g);
+  else run_fwd<float, 2, 4>(x, w, bias, y, g);
 }
 
 }  // namespace lkcnn

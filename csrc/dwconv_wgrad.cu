@@ -1,4 +1,5 @@
-// Weight-gradient kernel of the large-kernel depthwise convolution:
+// fp32 weight-gradient kernel of the large-kernel depthwise convolution on the FMA pipes (fp16/bf16 run on tensor
+// cores: dwconv_wgrad_tc.cu):
 //   dw[c, r, s] = sum over n, p, q of dy[n, c, p, q] * x[n, c, p + r - ph, q + s - pw].
 //
 // A group of TR x TS x PS threads owns the whole (kh x kw) gradient of one channel: a thread holds U kernel rows x V
@@ -194,7 +195,9 @@ void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Te
   const c10::cuda::CUDAGuard guard(x.device());
   const ConvGeom g = make_geom(grad_out, x, dw.size(1), dw.size(2), ph, pw);
   if (g.N * g.C == 0 || g.H == 0 || g.W == 0) return;
-  LKCNN_DISPATCH_FLOAT_TYPES(x.scalar_type(), "lkcnn_dwconv_wgrad", [&] { run_wgrad<scalar_t>(grad_out, x, dw, g); });
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "lkcnn dwconv2d: the SIMT weight-gradient kernel takes fp32 (fp16/bf16 "
+              "run on tensor cores)");
+  run_wgrad<float>(grad_out, x, dw, g);
 }
 
 }  // namespace lkcnn

@@ -1,4 +1,4 @@
-// Device helpers shared by the kernels: 16-byte shared-memory loads and staging of a padded tile as fp32.
+// Device helpers shared by the kernels: 16-byte shared-memory loads and staging of a padded tile in shared memory.
 #pragma once
 
 #include <cstdint>
@@ -23,12 +23,13 @@ __device__ __forceinline__ int row_offset(int r, int ld) {
 template <int P>
 constexpr int staged_ld(int cols) { return P == 0 ? cols : cols + 4; }
 
-// dst[row_offset<P>(r, ld) + c] = src[(r + r_off) * sh + (c + c_off) * sw] as fp32 where that lies inside the
+// dst[row_offset<P>(r, ld) + c] = src[(r + r_off) * sh + (c + c_off) * sw] as D (fp32 for the SIMT kernels, the
+// storage type for the tensor-core ones) where that lies inside the
 // H x W plane and c < col_end, else 0; for r < rows, c < cols, shared among nthr threads. Each thread keeps kBatch
 // global loads in flight before it stores them: one load at a time leaves the staging latency-bound. Row and column
 // advance by increments, with no division per element.
-template <int P, typename T>
-__device__ __forceinline__ void stage_tile(float* __restrict__ dst, const T* __restrict__ src, int rows, int cols,
+template <int P, typename T, typename D>
+__device__ __forceinline__ void stage_tile(D* __restrict__ dst, const T* __restrict__ src, int rows, int cols,
                                            int r_off, int c_off, int col_end, int H, int W, int64_t sh, int64_t sw,
                                            int tid, int nthr) {
   constexpr int kBatch = 8;
@@ -36,13 +37,13 @@ __device__ __forceinline__ void stage_tile(float* __restrict__ dst, const T* __r
   const int dr = nthr / cols, dc = nthr - dr * cols;
   int r = tid / cols, c = tid - r * cols;
   for (int base = tid; base < total; base += kBatch * nthr) {
-    float v[kBatch];
+    D v[kBatch];
     int at[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
       const int gr = r + r_off, gc = c + c_off;
       const bool inside = base + k * nthr < total && c < col_end && gr >= 0 && gr < H && gc >= 0 && gc < W;
-      v[k] = inside ? static_cast<float>(src[gr * sh + gc * sw]) : 0.f;
+      v[k] = inside ? static_cast<D>(src[gr * sh + gc * sw]) : D(0.f);
       at[k] = row_offset<P>(r, ld) + c;
       c += dc;
       r += dr;

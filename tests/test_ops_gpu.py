@@ -88,9 +88,11 @@ def test_kernel_sizes(kernel, layout, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,k", [((2, 7, 7, 7), 13), ((2, 5, 7, 7), 31), ((1, 3, 14, 14), 27), ((1, 2, 1, 1), 31),
-                                     ((3, 4, 2, 9), 7), ((2, 3, 56, 56), 31), ((1, 2, 100, 37), 29)])
+                                     ((3, 4, 2, 9), 7), ((2, 3, 56, 56), 31), ((1, 2, 100, 37), 29),
+                                     ((1, 2, 112, 112), 31), ((2, 3, 37, 150), 13)])
 def test_map_sizes(shape, k, dtype):
-    """Maps smaller than the kernel (7x7 with 13x13 and 31x31), single pixels, thin and large maps, batch 1."""
+    """Maps smaller than the kernel (7x7 with 13x13 and 31x31), single pixels, thin and large maps (several tiles
+    per map; weight-gradient items of a part of a map's rows at 112x112), batch 1."""
     check_case(*shape, k, k, dtype, random.choice(LAYOUTS))
 
 
@@ -103,11 +105,12 @@ def test_random_configurations(dtype):
         check_case(*shape, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
 
 
-def test_benchmark_shapes_fp32():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_benchmark_shapes(dtype):
     """The RepLKNet-31B stage shapes at a reduced batch, where the tiling takes its production choices."""
     for shape, k in [((4, 128, 56, 56), 31), ((4, 256, 28, 28), 29), ((4, 512, 14, 14), 27), ((4, 1024, 7, 7), 13),
                      ((4, 384, 32, 32), 31)]:
-        check_case(*shape, k, k, torch.float32, "nchw")
+        check_case(*shape, k, k, dtype, "nchw")
 
 
 def test_64bit_indexing():

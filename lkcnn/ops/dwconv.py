@@ -41,6 +41,8 @@ def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int
         return f"the input is on {x.device.type}, not a CUDA device"
     if x.dtype not in CUDA_DTYPES:
         return f"dtype {x.dtype} has no CUDA kernel (float32, float16 and bfloat16 do)"
+    if x.dtype != torch.float32 and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return f"{x.dtype} runs on tensor cores, which need compute capability 8.0 or newer"
     if kh % 2 == 0 or kw % 2 == 0 or max(kh, kw) > MAX_KERNEL:
         return f"kernel {kh}x{kw}: the CUDA kernels take odd sizes up to {MAX_KERNEL}"
     if list(padding) != [kh // 2, kw // 2]:

@@ -1,0 +1,114 @@
+// Tensor-core building block of the fp16/bf16 kernels: one row of a depthwise correlation as a banded Toeplitz
+// GEMM on mma.sync.m16n8k16 (fp32 accumulation), for compute capability 8.0 and newer.
+//
+// A 1-D correlation out[w] = sum_j a[w + j] * k[j] of 8 outputs with a K-tap kernel is the product of the 16S-wide
+// band a[0 .. 16S) with the Toeplitz matrix B[kk, w] = k[kk - w] (zero outside 0 <= kk - w < K), 16S >= K + 7.
+// With the 16 rows of the M dimension being 16 rows of a staged tile, one mma computes 16 rows x 8 outputs of one
+// band step. Both users fit this form: the forward (rows = output rows, k = one kernel row, the sum over kernel
+// rows outside) and the weight gradient (rows = kernel rows, k = one row of grad_out, the sum over grad_out rows
+// outside). B depends only on the band step, not on which 8 outputs, so a warp computes NB adjacent 8-column
+// blocks with one B fragment per step; block b at step s reads the tile's columns 8b + 16s .. 8b + 16s + 15, so the
+// blocks share 8-column "halves" of A, kept in a register window that slides two halves per step.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace lkcnn {
+
+// Four (two) 8x8 b16 matrices from shared memory; lane l gives the row address of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// acc += A (16x16, four registers) x B (16x8, two registers), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    static_assert(std::is_same_v<T, c10::Half>, "mma16816: fp16 or bf16 only");
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the host never launches the tensor-core kernels below compute capability 8.0
+#endif
+}
+
+// dst[r * words + k] = (v(r, k + c_off), v(r, k + c_off + 1)) as two T packed in 32 bits, the first in the low half
+// (the order of an mma operand register), v(r, c) = src[r * sh + c * sw] for r < valid_rows and 0 <= c < W, else 0.
+// These are the Toeplitz B operands: the pair a lane needs starts at an odd or even column, so each pair is stored.
+template <typename T, typename S>
+__device__ __forceinline__ void stage_pairs(uint32_t* __restrict__ dst, const S* __restrict__ src, int rows, int words,
+                                            int c_off, int valid_rows, int W, int64_t sh, int64_t sw, int tid,
+                                            int nthr) {
+  for (int i = tid; i < rows * words; i += nthr) {
+    const int r = i / words, c = i - r * words + c_off;
+    const bool row_in = r < valid_rows;
+    const T a = row_in && c >= 0 && c < W ? T(static_cast<float>(src[r * sh + c * sw])) : T(0.f);
+    const T b = row_in && c + 1 >= 0 && c + 1 < W ? T(static_cast<float>(src[r * sh + (c + 1) * sw])) : T(0.f);
+    dst[i] = uint32_t(a.x) | (uint32_t(b.x) << 16);
+  }
+}
+
+// acc[b] += A(rows, columns 8b + 16s + [0, 16)) x Toeplitz(q) for the band steps s in [s_lo, s_hi).
+//   a: shared-memory address of this lane's ldmatrix row at column 0 of the band: row (lane & 15) of the 16, and
+//      8 columns further for lanes 16-31 (the second matrix pair of an x4 load).
+//   q: this lane's B pairs for step 0, i.e. pairs + (8 + 2 * (lane % 4) - lane / 4) of a row of 16S + 8 pairs whose
+//      word t + 8 holds (k[t], k[t + 1]); step s adds 16 words, the second register 8 more.
+template <typename T, int NB>
+__device__ __forceinline__ void band_mma(float (&acc)[NB][4], uint32_t a, const uint32_t* q, int s_lo, int s_hi) {
+  constexpr uint32_t kHalf = 8 * sizeof(T);  // bytes of an 8-column half
+  uint32_t h[NB + 1][2];                     // halves 2s .. 2s + NB of the current step s
+  const uint32_t a0 = a + 2 * kHalf * s_lo;
+#pragma unroll
+  for (int k = 0; k + 1 <= NB; k += 2) ldsm_x4(h[k][0], h[k][1], h[k + 1][0], h[k + 1][1], a0 + kHalf * k);
+  if constexpr (NB % 2 == 0) ldsm_x2(h[NB][0], h[NB][1], a0 + kHalf * NB);
+  for (int s = s_lo; s < s_hi; ++s) {
+    const uint32_t b0 = q[16 * s], b1 = q[16 * s + 8];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) mma16816<T>(acc[b], h[b][0], h[b][1], h[b + 1][0], h[b + 1][1], b0, b1);
+    if (s + 1 < s_hi) {
+#pragma unroll
+      for (int k = 0; k + 2 <= NB; ++k) {
+        h[k][0] = h[k + 2][0];
+        h[k][1] = h[k + 2][1];
+      }
+      ldsm_x4(h[NB - 1][0], h[NB - 1][1], h[NB][0], h[NB][1], a + 2 * kHalf * (s + 1) + kHalf * (NB - 1));
+    }
+  }
+}
+
+// The host side of the tensor-core kernels refuses GPUs without mma.sync for fp16/bf16 (the Python dispatcher
+// sends those to PyTorch before this is reached).
+inline void check_tensor_cores() {
+  TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 8,
+              "lkcnn dwconv2d: float16/bfloat16 run on tensor cores, which need compute capability 8.0 or newer");
+}
+
+// Row stride (elements) of a staged b16 tile with `cols` columns: a multiple of 8 (16-byte ldmatrix rows) and an
+// odd number of 16-byte units, so the 8 rows of one ldmatrix matrix fall in 8 different bank groups.
+inline int tc_ld(int cols) {
+  const int units = (cols + 7) / 8;
+  return 8 * (units % 2 == 0 ? units + 1 : units);
+}
+
+}  // namespace lkcnn

@@ -1,0 +1,175 @@
+// Weight-gradient kernel for fp16/bf16 on tensor cores (band_mma.cuh):
+//   dw[c, r, s] = sum over n, p, q of dy[n, c, p, q] * x[n, c, p + r - ph, q + s - pw].
+// For one row p of dy this is a banded GEMM whose 16 M rows are 16 kernel rows r (x rows p + r - ph), whose N
+// columns are kernel columns s, and whose Toeplitz operand is dy's row p.
+//
+// A block owns one channel and walks work items (one sample, one band of PH rows of dy) of a range of samples.
+// PB items at a time are staged in shared memory (x strip in the storage type, dy rows as Toeplitz pairs), one per
+// slot; the MT warps of a slot each own 16 kernel rows x 8*NB kernel columns in fp32 accumulators and loop over the
+// item's dy rows whose x rows meet the map. At the end the slots are summed in shared memory and each tap gets one
+// fp32 atomic per block (the last bits of the sum depend on the order, as with the SIMT kernel).
+#include "band_mma.cuh"
+#include "dwconv.h"
+#include "tile.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace lkcnn {
+namespace {
+
+constexpr int kSlotBytes = 32 * 1024;  // shared memory per slot before an item takes fewer dy rows
+constexpr int kMaxSmem = 96 * 1024;
+
+struct WgradTcTile {
+  int MT, PB;          // 16-kernel-row tiles (warps per slot), slots per block
+  int S;               // band steps: 16S >= W + 7
+  int PH, chunks;      // dy rows per item, items per sample
+  int XR, XC, XLD;     // staged x rows, columns read, row stride (elements)
+  int QL;              // Toeplitz pairs per dy row
+  int slot_bytes, part_floats;
+  int64_t items, items_per_block;
+};
+
+// g.xs_* are the strides of dy, g.ys_* those of x.
+template <typename T, int NB>
+__global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                              float* __restrict__ dw, const ConvGeom g,
+                                                              const WgradTcTile t) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, nthr = blockDim.x, warp = tid / 32, lane = tid % 32;
+  const int z = warp / t.MT, mt = warp % t.MT;
+  const int64_t c = blockIdx.x;
+  const int64_t begin = int64_t(blockIdx.y) * t.items_per_block;
+  const int64_t end = min(t.items, begin + t.items_per_block);
+  const int x_bytes = t.XR * t.XLD * int(sizeof(T));
+
+  float acc[NB][4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[b][e] = 0.f;
+
+  const T* sx = reinterpret_cast<const T*>(smem + z * t.slot_bytes);
+  const uint32_t* sq = reinterpret_cast<const uint32_t*>(smem + z * t.slot_bytes + x_bytes);
+  const uint32_t a = static_cast<uint32_t>(
+      __cvta_generic_to_shared(sx + (16 * mt + (lane & 15)) * t.XLD + 8 * (lane >> 4)));
+  const uint32_t* q = sq + 8 + 2 * (lane % 4) - lane / 4;
+  const uint32_t row_bytes = uint32_t(t.XLD) * sizeof(T);
+
+  for (int64_t base = begin; base < end; base += t.PB) {
+    __syncthreads();  // the previous items are consumed before their tiles are overwritten
+    for (int k = 0; k < t.PB && base + k < end; ++k) {
+      const int64_t n = (base + k) / t.chunks;
+      const int pa = int((base + k) % t.chunks) * t.PH;
+      T* dst_x = reinterpret_cast<T*>(smem + k * t.slot_bytes);
+      uint32_t* dst_q = reinterpret_cast<uint32_t*>(smem + k * t.slot_bytes + x_bytes);
+      stage_tile<0>(dst_x, x + n * g.ys_n + c * g.ys_c, t.XR, t.XLD, pa - g.ph, -g.pw, t.XC, g.H, g.W, g.ys_h,
+                    g.ys_w, tid, nthr);
+      stage_pairs<T>(dst_q, dy + n * g.xs_n + c * g.xs_c + pa * g.xs_h, t.PH, t.QL, -8, int(g.H) - pa, g.W,
+                     g.xs_h, g.xs_w, tid, nthr);
+    }
+    __syncthreads();
+    const int64_t item = base + z;
+    if (item >= end) continue;
+    const int pa = int(item % t.chunks) * t.PH;
+    // dy rows of the item whose 16 x rows (pa + p + 16 mt - ph + [0, 16)) meet the map.
+    const int p_lo = max(0, g.ph - pa - 16 * mt - 15);
+    const int p_hi = min(min(t.PH, int(g.H) - pa), int(g.H) + g.ph - pa - 16 * mt);
+    for (int p = p_lo; p < p_hi; ++p) band_mma<T, NB>(acc, a + p * row_bytes, q + p * t.QL, 0, t.S);
+  }
+
+  // Sum the slots: accumulator e of block b is kernel row 16 mt + lane / 4 + 8 (e / 2), column 8b + 2 (lane % 4)
+  // + e % 2.
+  constexpr int kCols = 8 * NB;
+  float* part = reinterpret_cast<float*>(smem);
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+      part[z * t.part_floats + (16 * mt + lane / 4 + 8 * (e / 2)) * kCols + 8 * b + 2 * (lane % 4) + e % 2] = acc[b][e];
+  __syncthreads();
+  float* dwc = dw + c * g.kh * g.kw;
+  for (int i = tid; i < t.part_floats; i += nthr) {
+    const int r = i / kCols, s = i % kCols;
+    if (r >= g.kh || s >= g.kw) continue;
+    float sum = 0.f;
+    for (int k = 0; k < t.PB; ++k) sum += part[k * t.part_floats + i];
+    atomicAdd(dwc + r * g.kw + s, sum);
+  }
+}
+
+// 8-column blocks of kernel columns per warp (a power of two, so few instantiations).
+int pick_nb(int kw) {
+  const int blocks = ceil_div(kw, 8);
+  return blocks <= 1 ? 1 : blocks <= 2 ? 2 : blocks <= 4 ? 4 : 8;
+}
+
+int slot_bytes(const WgradTcTile& t, int rows) {
+  return (rows + 16 * t.MT - 1) * t.XLD * 2 + rows * t.QL * 4;
+}
+
+WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
+  WgradTcTile t;
+  t.MT = ceil_div(g.kh, 16);
+  t.S = ceil_div(int(g.W) + 7, 16);
+  t.XC = 8 * (NB - 1) + 16 * t.S;
+  t.XLD = tc_ld(t.XC);
+  t.QL = 16 * t.S + 8;
+  t.PH = int(g.H);
+  while (t.PH > 1 && slot_bytes(t, t.PH) > kSlotBytes) t.PH = (t.PH + 1) / 2;
+  t.XR = t.PH + 16 * t.MT - 1;
+  t.part_floats = 16 * t.MT * 8 * NB;
+  t.slot_bytes = std::max(slot_bytes(t, t.PH), t.part_floats * 4);
+  t.slot_bytes = (t.slot_bytes + 15) / 16 * 16;
+  TORCH_CHECK(t.slot_bytes <= kMaxSmem, "lkcnn dwconv2d: the weight-gradient tile does not fit in shared memory; "
+              "this map width / kernel size is not supported by the CUDA kernel");
+  t.chunks = ceil_div(int(g.H), t.PH);
+  t.items = g.N * t.chunks;
+  t.PB = int(std::min<int64_t>({std::max(1, 8 / t.MT), kMaxSmem / t.slot_bytes, t.items}));
+  // Enough blocks to fill the GPU about four times over, each with at least PB items.
+  int64_t splits = std::max<int64_t>(1, (4 * int64_t(num_sms) + g.C - 1) / g.C);
+  splits = std::min<int64_t>({splits, (t.items + t.PB - 1) / t.PB, 65535});
+  t.items_per_block = (t.items + splits - 1) / splits;
+  return t;
+}
+
+template <typename T, int NB>
+void run_wgrad_tc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const WgradTcTile t = plan_wgrad_tc(g, NB, num_sms);
+  const int64_t splits = (t.items + t.items_per_block - 1) / t.items_per_block;
+  const int smem = t.PB * t.slot_bytes;
+  auto kernel = dwconv_wgrad_tc_kernel<T, NB>;
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  TORCH_CHECK(g.C < INT32_MAX, "lkcnn dwconv2d: too many channels for one launch");
+  kernel<<<dim3(unsigned(g.C), unsigned(splits)), 32 * t.MT * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
+      dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g, t);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void dispatch_nb(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
+  switch (pick_nb(g.kw)) {
+    case 8: return run_wgrad_tc<T, 8>(dy, x, dw, g);
+    case 4: return run_wgrad_tc<T, 4>(dy, x, dw, g);
+    case 2: return run_wgrad_tc<T, 2>(dy, x, dw, g);
+    default: return run_wgrad_tc<T, 1>(dy, x, dw, g);
+  }
+}
+
+}  // namespace
+
+void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
+                            int64_t pw) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const ConvGeom g = make_geom(grad_out, x, dw.size(1), dw.size(2), ph, pw);
+  if (g.N * g.C == 0 || g.H == 0 || g.W == 0) return;
+  check_tensor_cores();
+  if (x.scalar_type() == at::kBFloat16) dispatch_nb<c10::BFloat16>(grad_out, x, dw, g);
+  else dispatch_nb<c10::Half>(grad_out, x, dw, g);
+}
+
+}  // namespace lkcnn
