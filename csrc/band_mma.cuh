@@ -53,49 +53,43 @@ __device__ __forceinline__ void mma16816(float (&acc)[4], uint32_t a0, uint32_t 
 #endif
 }
 
-// dst[r * words + k] = (v(r, k + c_off), v(r, k + c_off + 1)) as two T packed in 32 bits, the first in the low half
-// (the order of an mma operand register), v(r, c) = src[r * sh + c * sw] for r < valid_rows and 0 <= c < W, else 0.
-// These are the Toeplitz B operands: the pair a lane needs starts at an odd or even column, so each pair is stored.
-template <typename T, typename S>
-__device__ __forceinline__ void stage_pairs(uint32_t* __restrict__ dst, const S* __restrict__ src, int rows, int words,
-                                            int c_off, int valid_rows, int W, int64_t sh, int64_t sw, int tid,
-                                            int nthr) {
-  for (int i = tid; i < rows * words; i += nthr) {
-    const int r = i / words, c = i - r * words + c_off;
-    const bool row_in = r < valid_rows;
-    const T a = row_in && c >= 0 && c < W ? T(static_cast<float>(src[r * sh + c * sw])) : T(0.f);
-    const T b = row_in && c + 1 >= 0 && c + 1 < W ? T(static_cast<float>(src[r * sh + (c + 1) * sw])) : T(0.f);
-    dst[i] = uint32_t(a.x) | (uint32_t(b.x) << 16);
-  }
-}
+// Two T packed in 32 bits, the first in the low half (the order of an mma operand register).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(T lo, T hi) { return uint32_t(lo.x) | (uint32_t(hi.x) << 16); }
 
-// acc[b] += A(rows, columns 8b + 16s + [0, 16)) x Toeplitz(q) for the band steps s in [s_lo, s_hi).
+// acc[b] += A(rows, columns 8b + 16s + [0, 16)) x Toeplitz(q) for the band steps s < S with s_lo <= s < s_hi
+// (steps outside are skipped: their columns lie in the padding). All NB + 2S - 1 halves are loaded first, so the
+// loads of one call overlap and the mmas run back to back.
 //   a: shared-memory address of this lane's ldmatrix row at column 0 of the band: row (lane & 15) of the 16, and
 //      8 columns further for lanes 16-31 (the second matrix pair of an x4 load).
 //   q: this lane's B pairs for step 0, i.e. pairs + (8 + 2 * (lane % 4) - lane / 4) of a row of 16S + 8 pairs whose
 //      word t + 8 holds (k[t], k[t + 1]); step s adds 16 words, the second register 8 more.
-template <typename T, int NB>
+template <typename T, int NB, int S>
 __device__ __forceinline__ void band_mma(float (&acc)[NB][4], uint32_t a, const uint32_t* q, int s_lo, int s_hi) {
   constexpr uint32_t kHalf = 8 * sizeof(T);  // bytes of an 8-column half
-  uint32_t h[NB + 1][2];                     // halves 2s .. 2s + NB of the current step s
-  const uint32_t a0 = a + 2 * kHalf * s_lo;
+  constexpr int kHalves = NB + 2 * S - 1;
+  uint32_t h[kHalves + 1][2];
 #pragma unroll
-  for (int k = 0; k + 1 <= NB; k += 2) ldsm_x4(h[k][0], h[k][1], h[k + 1][0], h[k + 1][1], a0 + kHalf * k);
-  if constexpr (NB % 2 == 0) ldsm_x2(h[NB][0], h[NB][1], a0 + kHalf * NB);
-  for (int s = s_lo; s < s_hi; ++s) {
-    const uint32_t b0 = q[16 * s], b1 = q[16 * s + 8];
+  for (int k = 0; k + 1 < kHalves; k += 2) ldsm_x4(h[k][0], h[k][1], h[k + 1][0], h[k + 1][1], a + kHalf * k);
+  if constexpr (kHalves % 2 == 1) ldsm_x2(h[kHalves - 1][0], h[kHalves - 1][1], a + kHalf * (kHalves - 1));
+  uint32_t bq[S][2];
 #pragma unroll
-    for (int b = 0; b < NB; ++b) mma16816<T>(acc[b], h[b][0], h[b][1], h[b + 1][0], h[b + 1][1], b0, b1);
-    if (s + 1 < s_hi) {
+  for (int s = 0; s < S; ++s) {
+    bq[s][0] = q[16 * s];
+    bq[s][1] = q[16 * s + 8];
+  }
 #pragma unroll
-      for (int k = 0; k + 2 <= NB; ++k) {
-        h[k][0] = h[k + 2][0];
-        h[k][1] = h[k + 2][1];
-      }
-      ldsm_x4(h[NB - 1][0], h[NB - 1][1], h[NB][0], h[NB][1], a + 2 * kHalf * (s + 1) + kHalf * (NB - 1));
-    }
+  for (int s = 0; s < S; ++s) {
+    if (s < s_lo || s >= s_hi) continue;
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+      mma16816<T>(acc[b], h[b + 2 * s][0], h[b + 2 * s][1], h[b + 2 * s + 1][0], h[b + 2 * s + 1][1], bq[s][0],
+                  bq[s][1]);
   }
 }
+
+// Columns of the staged tile that band_mma<T, NB, S> reads.
+constexpr int band_cols(int NB, int S) { return 8 * (NB + 2 * S - 1); }
 
 // The host side of the tensor-core kernels refuses GPUs without mma.sync for fp16/bf16 (the Python dispatcher
 // sends those to PyTorch before this is reached).

@@ -21,19 +21,20 @@ namespace {
 
 constexpr int kSlotBytes = 32 * 1024;  // shared memory per slot before an item takes fewer dy rows
 constexpr int kMaxSmem = 96 * 1024;
+constexpr int kMaxSteps = 4;           // band steps per band_mma call; wider maps take several calls
 
 struct WgradTcTile {
   int MT, PB;          // 16-kernel-row tiles (warps per slot), slots per block
-  int S;               // band steps: 16S >= W + 7
+  int steps, S, SC;    // band steps (16 steps >= W + 7); steps per band_mma call; steps rounded up to SC
   int PH, chunks;      // dy rows per item, items per sample
-  int XR, XC, XLD;     // staged x rows, columns read, row stride (elements)
+  int XR, XLD;         // staged x rows, row stride (elements)
   int QL;              // Toeplitz pairs per dy row
-  int slot_bytes, part_floats;
+  int slot_bytes, x_bytes, part_floats;
   int64_t items, items_per_block;
 };
 
 // g.xs_* are the strides of dy, g.ys_* those of x.
-template <typename T, int NB>
+template <typename T, int NB, int SC>
 __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                               float* __restrict__ dw, const ConvGeom g,
                                                               const WgradTcTile t) {
@@ -43,7 +44,6 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
   const int64_t c = blockIdx.x;
   const int64_t begin = int64_t(blockIdx.y) * t.items_per_block;
   const int64_t end = min(t.items, begin + t.items_per_block);
-  const int x_bytes = t.XR * t.XLD * int(sizeof(T));
 
   float acc[NB][4];
 #pragma unroll
@@ -51,33 +51,53 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[b][e] = 0.f;
 
-  const T* sx = reinterpret_cast<const T*>(smem + z * t.slot_bytes);
-  const uint32_t* sq = reinterpret_cast<const uint32_t*>(smem + z * t.slot_bytes + x_bytes);
-  const uint32_t a = static_cast<uint32_t>(
-      __cvta_generic_to_shared(sx + (16 * mt + (lane & 15)) * t.XLD + 8 * (lane >> 4)));
-  const uint32_t* q = sq + 8 + 2 * (lane % 4) - lane / 4;
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(
+      reinterpret_cast<const T*>(smem + z * t.slot_bytes) + (16 * mt + (lane & 15)) * t.XLD + 8 * (lane >> 4)));
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(smem + z * t.slot_bytes + t.x_bytes) + 8 + 2 * (lane % 4) -
+                      lane / 4;
   const uint32_t row_bytes = uint32_t(t.XLD) * sizeof(T);
+  const T* xc = x + c * g.ys_c;
+  const T* dyc = dy + c * g.xs_c;
 
   for (int64_t base = begin; base < end; base += t.PB) {
+    const int items = int(min(int64_t(t.PB), end - base));
+    // Item k's slot: x rows pa - ph + r (r < XR) at columns j - pw, dy rows pa + p as pairs (word j + 8 holds
+    // dy[j], dy[j + 1]). Its padding depends only on the chunk: with one chunk per sample it is zeroed once.
     __syncthreads();  // the previous items are consumed before their tiles are overwritten
-    for (int k = 0; k < t.PB && base + k < end; ++k) {
+    if (base == begin || t.chunks > 1) {
+      zero_smem(smem, t.PB * t.slot_bytes, tid, nthr);
+      __syncthreads();
+    }
+    for (int k = 0; k < items; ++k) {
       const int64_t n = (base + k) / t.chunks;
       const int pa = int((base + k) % t.chunks) * t.PH;
-      T* dst_x = reinterpret_cast<T*>(smem + k * t.slot_bytes);
-      uint32_t* dst_q = reinterpret_cast<uint32_t*>(smem + k * t.slot_bytes + x_bytes);
-      stage_tile<0>(dst_x, x + n * g.ys_n + c * g.ys_c, t.XR, t.XLD, pa - g.ph, -g.pw, t.XC, g.H, g.W, g.ys_h,
-                    g.ys_w, tid, nthr);
-      stage_pairs<T>(dst_q, dy + n * g.xs_n + c * g.xs_c + pa * g.xs_h, t.PH, t.QL, -8, int(g.H) - pa, g.W,
-                     g.xs_h, g.xs_w, tid, nthr);
+      T* sx = reinterpret_cast<T*>(smem + k * t.slot_bytes);
+      uint32_t* sq = reinterpret_cast<uint32_t*>(smem + k * t.slot_bytes + t.x_bytes);
+      const int r_a = max(0, g.ph - pa), r_b = min(t.XR, int(g.H) + g.ph - pa);
+      const int j_b = min(band_cols(NB, SC) + 16 * (t.S - SC), int(g.W) + g.pw);
+      const T* xs = xc + n * g.ys_n + int64_t(pa - g.ph + r_a) * g.ys_h;
+      box_loop<4>(
+          1, r_b - r_a, j_b - g.pw, tid, nthr, [&](int, int r, int j) { return xs[r * g.ys_h + j * g.ys_w]; },
+          [&](int, int r, int j, T v) { sx[(r + r_a) * t.XLD + g.pw + j] = v; });
+      const T* dys = dyc + n * g.xs_n + int64_t(pa) * g.xs_h;
+      box_loop<4>(
+          1, min(t.PH, int(g.H) - pa), min(t.QL - 7, int(g.W) + 1), tid, nthr,
+          [&](int, int p, int j) {  // word j + 7: (dy[j - 1], dy[j])
+            const T lo = j >= 1 ? dys[p * g.xs_h + (j - 1) * g.xs_w] : T(0.f);
+            const T hi = j < g.W ? dys[p * g.xs_h + j * g.xs_w] : T(0.f);
+            return pack2(lo, hi);
+          },
+          [&](int, int p, int j, uint32_t v) { sq[p * t.QL + j + 7] = v; });
     }
     __syncthreads();
-    const int64_t item = base + z;
-    if (item >= end) continue;
-    const int pa = int(item % t.chunks) * t.PH;
+    if (z >= items) continue;
+    const int pa = int((base + z) % t.chunks) * t.PH;
     // dy rows of the item whose 16 x rows (pa + p + 16 mt - ph + [0, 16)) meet the map.
     const int p_lo = max(0, g.ph - pa - 16 * mt - 15);
     const int p_hi = min(min(t.PH, int(g.H) - pa), int(g.H) + g.ph - pa - 16 * mt);
-    for (int p = p_lo; p < p_hi; ++p) band_mma<T, NB>(acc, a + p * row_bytes, q + p * t.QL, 0, t.S);
+    for (int p = p_lo; p < p_hi; ++p)
+      for (int s0 = 0; s0 < t.S; s0 += SC)
+        band_mma<T, NB, SC>(acc, a + p * row_bytes + s0 * 16 * sizeof(T), q + p * t.QL + 16 * s0, 0, t.steps - s0);
   }
 
   // Sum the slots: accumulator e of block b is kernel row 16 mt + lane / 4 + 8 (e / 2), column 8b + 2 (lane % 4)
@@ -107,42 +127,43 @@ int pick_nb(int kw) {
   return blocks <= 1 ? 1 : blocks <= 2 ? 2 : blocks <= 4 ? 4 : 8;
 }
 
-int slot_bytes(const WgradTcTile& t, int rows) {
-  return (rows + 16 * t.MT - 1) * t.XLD * 2 + rows * t.QL * 4;
-}
+int steps(int64_t W) { return ceil_div(int(W) + 7, 16); }
+int steps_per_call(int64_t W) { return std::min(steps(W), kMaxSteps); }
 
 WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   WgradTcTile t;
   t.MT = ceil_div(g.kh, 16);
-  t.S = ceil_div(int(g.W) + 7, 16);
-  t.XC = 8 * (NB - 1) + 16 * t.S;
-  t.XLD = tc_ld(t.XC);
+  t.SC = steps_per_call(g.W);
+  t.steps = steps(g.W);
+  t.S = ceil_div(t.steps, t.SC) * t.SC;
+  t.XLD = tc_ld(band_cols(NB, t.SC) + 16 * (t.S - t.SC));
   t.QL = 16 * t.S + 8;
+  auto bytes = [&](int rows) { return (rows + 16 * t.MT - 1) * t.XLD * 2 + rows * t.QL * 4; };
   t.PH = int(g.H);
-  while (t.PH > 1 && slot_bytes(t, t.PH) > kSlotBytes) t.PH = (t.PH + 1) / 2;
+  while (t.PH > 1 && bytes(t.PH) > kSlotBytes) t.PH = (t.PH + 1) / 2;
   t.XR = t.PH + 16 * t.MT - 1;
+  t.x_bytes = t.XR * t.XLD * 2;
   t.part_floats = 16 * t.MT * 8 * NB;
-  t.slot_bytes = std::max(slot_bytes(t, t.PH), t.part_floats * 4);
-  t.slot_bytes = (t.slot_bytes + 15) / 16 * 16;
+  t.slot_bytes = (std::max(bytes(t.PH), t.part_floats * 4) + 15) / 16 * 16;
   TORCH_CHECK(t.slot_bytes <= kMaxSmem, "lkcnn dwconv2d: the weight-gradient tile does not fit in shared memory; "
               "this map width / kernel size is not supported by the CUDA kernel");
   t.chunks = ceil_div(int(g.H), t.PH);
   t.items = g.N * t.chunks;
   t.PB = int(std::min<int64_t>({std::max(1, 8 / t.MT), kMaxSmem / t.slot_bytes, t.items}));
-  // Enough blocks to fill the GPU about four times over, each with at least PB items.
-  int64_t splits = std::max<int64_t>(1, (4 * int64_t(num_sms) + g.C - 1) / g.C);
+  // About eight blocks per SM, each with a multiple of PB items.
+  int64_t splits = std::max<int64_t>(1, (8 * int64_t(num_sms) + g.C - 1) / g.C);
   splits = std::min<int64_t>({splits, (t.items + t.PB - 1) / t.PB, 65535});
-  t.items_per_block = (t.items + splits - 1) / splits;
+  t.items_per_block = ((t.items + splits - 1) / splits + t.PB - 1) / t.PB * t.PB;
   return t;
 }
 
-template <typename T, int NB>
+template <typename T, int NB, int SC>
 void run_wgrad_tc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const WgradTcTile t = plan_wgrad_tc(g, NB, num_sms);
   const int64_t splits = (t.items + t.items_per_block - 1) / t.items_per_block;
   const int smem = t.PB * t.slot_bytes;
-  auto kernel = dwconv_wgrad_tc_kernel<T, NB>;
+  auto kernel = dwconv_wgrad_tc_kernel<T, NB, SC>;
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   TORCH_CHECK(g.C < INT32_MAX, "lkcnn dwconv2d: too many channels for one launch");
   kernel<<<dim3(unsigned(g.C), unsigned(splits)), 32 * t.MT * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -150,13 +171,23 @@ void run_wgrad_tc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T, int NB>
+void dispatch_sc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
+  switch (steps_per_call(g.W)) {
+    case 1: return run_wgrad_tc<T, NB, 1>(dy, x, dw, g);
+    case 2: return run_wgrad_tc<T, NB, 2>(dy, x, dw, g);
+    case 3: return run_wgrad_tc<T, NB, 3>(dy, x, dw, g);
+    default: return run_wgrad_tc<T, NB, kMaxSteps>(dy, x, dw, g);
+  }
+}
+
 template <typename T>
 void dispatch_nb(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
   switch (pick_nb(g.kw)) {
-    case 8: return run_wgrad_tc<T, 8>(dy, x, dw, g);
-    case 4: return run_wgrad_tc<T, 4>(dy, x, dw, g);
-    case 2: return run_wgrad_tc<T, 2>(dy, x, dw, g);
-    default: return run_wgrad_tc<T, 1>(dy, x, dw, g);
+    case 8: return dispatch_sc<T, 8>(dy, x, dw, g);
+    case 4: return dispatch_sc<T, 4>(dy, x, dw, g);
+    case 2: return dispatch_sc<T, 2>(dy, x, dw, g);
+    default: return dispatch_sc<T, 1>(dy, x, dw, g);
   }
 }
 

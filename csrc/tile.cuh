@@ -1,4 +1,5 @@
-// Device helpers shared by the kernels: 16-byte shared-memory loads and staging of a padded tile in shared memory.
+// Device helpers shared by the kernels: 16-byte shared-memory loads, staging of a padded tile as fp32 (SIMT
+// kernels), copying a box into shared memory (tensor-core kernels).
 #pragma once
 
 #include <cstdint>
@@ -23,13 +24,12 @@ __device__ __forceinline__ int row_offset(int r, int ld) {
 template <int P>
 constexpr int staged_ld(int cols) { return P == 0 ? cols : cols + 4; }
 
-// dst[row_offset<P>(r, ld) + c] = src[(r + r_off) * sh + (c + c_off) * sw] as D (fp32 for the SIMT kernels, the
-// storage type for the tensor-core ones) where that lies inside the
+// dst[row_offset<P>(r, ld) + c] = src[(r + r_off) * sh + (c + c_off) * sw] as fp32 where that lies inside the
 // H x W plane and c < col_end, else 0; for r < rows, c < cols, shared among nthr threads. Each thread keeps kBatch
 // global loads in flight before it stores them: one load at a time leaves the staging latency-bound. Row and column
 // advance by increments, with no division per element.
-template <int P, typename T, typename D>
-__device__ __forceinline__ void stage_tile(D* __restrict__ dst, const T* __restrict__ src, int rows, int cols,
+template <int P, typename T>
+__device__ __forceinline__ void stage_tile(float* __restrict__ dst, const T* __restrict__ src, int rows, int cols,
                                            int r_off, int c_off, int col_end, int H, int W, int64_t sh, int64_t sw,
                                            int tid, int nthr) {
   constexpr int kBatch = 8;
@@ -37,13 +37,13 @@ __device__ __forceinline__ void stage_tile(D* __restrict__ dst, const T* __restr
   const int dr = nthr / cols, dc = nthr - dr * cols;
   int r = tid / cols, c = tid - r * cols;
   for (int base = tid; base < total; base += kBatch * nthr) {
-    D v[kBatch];
+    float v[kBatch];
     int at[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
       const int gr = r + r_off, gc = c + c_off;
       const bool inside = base + k * nthr < total && c < col_end && gr >= 0 && gr < H && gc >= 0 && gc < W;
-      v[k] = inside ? static_cast<D>(src[gr * sh + gc * sw]) : D(0.f);
+      v[k] = inside ? static_cast<float>(src[gr * sh + gc * sw]) : 0.f;
       at[k] = row_offset<P>(r, ld) + c;
       c += dc;
       r += dr;
@@ -53,6 +53,39 @@ __device__ __forceinline__ void stage_tile(D* __restrict__ dst, const T* __restr
     for (int k = 0; k < kBatch; ++k)
       if (base + k * nthr < total) dst[at[k]] = v[k];
   }
+}
+
+// For every (z, r, c) of a planes x rows x cols box: store(z, r, c, load(z, r, c)), shared among nthr threads. Each
+// thread keeps kBatch loads in flight before it stores them; indices advance by increments, with no division per
+// element (the tensor-core kernels copy only the in-map part of a tile this way, its padding being zeroed once).
+template <int kBatch, typename Load, typename Store>
+__device__ __forceinline__ void box_loop(int planes, int rows, int cols, int tid, int nthr, Load load, Store store) {
+  const int per_plane = rows * cols, total = planes * per_plane;
+  if (total <= 0) return;
+  int z = tid / per_plane, r = tid % per_plane / cols, c = tid % cols;
+  const int dz = nthr / per_plane, dr = nthr % per_plane / cols, dc = nthr % cols;
+  using V = decltype(load(0, 0, 0));
+  for (int base = tid; base < total; base += kBatch * nthr) {
+    V v[kBatch];
+    int zi[kBatch], ri[kBatch], ci[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (base + k * nthr < total) v[k] = load(z, r, c);
+      zi[k] = z; ri[k] = r; ci[k] = c;
+      c += dc; r += dr; z += dz;
+      if (c >= cols) { c -= cols; ++r; }
+      if (r >= rows) { r -= rows; ++z; }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (base + k * nthr < total) store(zi[k], ri[k], ci[k], v[k]);
+  }
+}
+
+// Zero `bytes` (a multiple of 16) of shared memory at dst (16-byte aligned).
+__device__ __forceinline__ void zero_smem(void* dst, int bytes, int tid, int nthr) {
+  uint4* p = reinterpret_cast<uint4*>(dst);
+  for (int i = tid; i < bytes / 16; i += nthr) p[i] = make_uint4(0, 0, 0, 0);
 }
 
 }  // namespace lkcnn
