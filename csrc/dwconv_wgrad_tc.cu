@@ -56,42 +56,51 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
   const uint32_t* q = reinterpret_cast<const uint32_t*>(smem + z * t.slot_bytes + t.x_bytes) + 8 + 2 * (lane % 4) -
                       lane / 4;
   const uint32_t row_bytes = uint32_t(t.XLD) * sizeof(T);
-  const T* xc = x + c * g.ys_c;
-  const T* dyc = dy + c * g.xs_c;
+
+  // Slot k's tile: x rows pa - ph + r (r < XR) at columns j - pw, dy rows pa + p as pairs (word j + 8 holds dy[j],
+  // dy[j + 1]). Columns outside the map are zeroed once; rows outside it are written as zeros by the copy (with one
+  // chunk per sample they are outside the copied box and stay zero too). All slots are copied in one box, so that
+  // their loads are in flight together.
+  __shared__ int64_t x_off[8], dy_off[8];
+  __shared__ int pa_of[8];
+  const int j_b = min(band_cols(NB, SC) + 16 * (t.S - SC), int(g.W) + g.pw);
+  const int r_a = t.chunks == 1 ? max(0, g.ph) : 0, r_b = t.chunks == 1 ? min(t.XR, int(g.H) + g.ph) : t.XR;
+  zero_smem(smem, t.PB * t.slot_bytes, tid, nthr);
 
   for (int64_t base = begin; base < end; base += t.PB) {
     const int items = int(min(int64_t(t.PB), end - base));
-    // Item k's slot: x rows pa - ph + r (r < XR) at columns j - pw, dy rows pa + p as pairs (word j + 8 holds
-    // dy[j], dy[j + 1]). Its padding depends only on the chunk: with one chunk per sample it is zeroed once.
-    __syncthreads();  // the previous items are consumed before their tiles are overwritten
-    if (base == begin || t.chunks > 1) {
-      zero_smem(smem, t.PB * t.slot_bytes, tid, nthr);
-      __syncthreads();
-    }
-    for (int k = 0; k < items; ++k) {
-      const int64_t n = (base + k) / t.chunks;
-      const int pa = int((base + k) % t.chunks) * t.PH;
-      T* sx = reinterpret_cast<T*>(smem + k * t.slot_bytes);
-      uint32_t* sq = reinterpret_cast<uint32_t*>(smem + k * t.slot_bytes + t.x_bytes);
-      const int r_a = max(0, g.ph - pa), r_b = min(t.XR, int(g.H) + g.ph - pa);
-      const int j_b = min(band_cols(NB, SC) + 16 * (t.S - SC), int(g.W) + g.pw);
-      const T* xs = xc + n * g.ys_n + int64_t(pa - g.ph + r_a) * g.ys_h;
-      box_loop<4>(
-          1, r_b - r_a, j_b - g.pw, tid, nthr, [&](int, int r, int j) { return xs[r * g.ys_h + j * g.ys_w]; },
-          [&](int, int r, int j, T v) { sx[(r + r_a) * t.XLD + g.pw + j] = v; });
-      const T* dys = dyc + n * g.xs_n + int64_t(pa) * g.xs_h;
-      box_loop<4>(
-          1, min(t.PH, int(g.H) - pa), min(t.QL - 7, int(g.W) + 1), tid, nthr,
-          [&](int, int p, int j) {  // word j + 7: (dy[j - 1], dy[j])
-            const T lo = j >= 1 ? dys[p * g.xs_h + (j - 1) * g.xs_w] : T(0.f);
-            const T hi = j < g.W ? dys[p * g.xs_h + j * g.xs_w] : T(0.f);
-            return pack2(lo, hi);
-          },
-          [&](int, int p, int j, uint32_t v) { sq[p * t.QL + j + 7] = v; });
+    __syncthreads();  // the zeroing is done / the previous items are consumed before their tiles are overwritten
+    if (tid < items) {
+      const int64_t n = (base + tid) / t.chunks;
+      pa_of[tid] = int((base + tid) % t.chunks) * t.PH;
+      x_off[tid] = n * g.ys_n + c * g.ys_c;
+      dy_off[tid] = n * g.xs_n + c * g.xs_c + int64_t(pa_of[tid]) * g.xs_h;
     }
     __syncthreads();
+    box_loop<4>(
+        items, r_b - r_a, j_b - g.pw, tid, nthr,
+        [&](int k, int r, int j) {
+          const int row = pa_of[k] - g.ph + r_a + r;
+          return row >= 0 && row < g.H ? x[x_off[k] + int64_t(row) * g.ys_h + int64_t(j) * g.ys_w] : T(0.f);
+        },
+        [&](int k, int r, int j, T v) {
+          reinterpret_cast<T*>(smem + k * t.slot_bytes)[(r + r_a) * t.XLD + g.pw + j] = v;
+        });
+    box_loop<4>(
+        items, t.PH, min(t.QL - 7, int(g.W) + 1), tid, nthr,
+        [&](int k, int p, int j) {  // word j + 7: (dy[j - 1], dy[j])
+          const bool row_in = p < int(g.H) - pa_of[k];
+          const T* d = dy + dy_off[k] + int64_t(p) * g.xs_h;
+          const T lo = row_in && j >= 1 ? d[int64_t(j - 1) * g.xs_w] : T(0.f);
+          const T hi = row_in && j < g.W ? d[int64_t(j) * g.xs_w] : T(0.f);
+          return pack2(lo, hi);
+        },
+        [&](int k, int p, int j, uint32_t v) {
+          reinterpret_cast<uint32_t*>(smem + k * t.slot_bytes + t.x_bytes)[p * t.QL + j + 7] = v;
+        });
+    __syncthreads();
     if (z >= items) continue;
-    const int pa = int((base + z) % t.chunks) * t.PH;
+    const int pa = pa_of[z];
     // dy rows of the item whose 16 x rows (pa + p + 16 mt - ph + [0, 16)) meet the map.
     const int p_lo = max(0, g.ph - pa - 16 * mt - 15);
     const int p_hi = min(min(t.PH, int(g.H) - pa), int(g.H) + g.ph - pa - 16 * mt);
@@ -149,7 +158,7 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
               "this map width / kernel size is not supported by the CUDA kernel");
   t.chunks = ceil_div(int(g.H), t.PH);
   t.items = g.N * t.chunks;
-  t.PB = int(std::min<int64_t>({std::max(1, 8 / t.MT), kMaxSmem / t.slot_bytes, t.items}));
+  t.PB = int(std::min<int64_t>({std::max(1, 8 / t.MT), kMaxSmem / t.slot_bytes, t.items}));  // <= 8 slots
   // About eight blocks per SM, each with a multiple of PB items.
   int64_t splits = std::max<int64_t>(1, (8 * int64_t(num_sms) + g.C - 1) / g.C);
   splits = std::min<int64_t>({splits, (t.items + t.PB - 1) / t.PB, 65535});

@@ -52,6 +52,8 @@ def main() -> None:
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last)
     runs = {
         "lkcnn kernels, 31-29-27-13 + 5x5": images_per_s("cuda", **common),
+        # the default dispatch: large kernels on lkcnn, the 5x5 branch (under AUTO_MIN_KERNEL) on cuDNN
+        "lkcnn 'auto', 31-29-27-13 + 5x5": images_per_s("auto", **common),
         "PyTorch conv, 31-29-27-13 + 5x5": images_per_s("torch", **common),
         # small_kernel=0 drops the branch (timm.create_model drops None-valued keywords)
         "lkcnn kernels, 3x3, no small branch": images_per_s("cuda", kernel_sizes=3, small_kernel=0, **common),

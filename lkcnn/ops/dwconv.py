@@ -8,6 +8,7 @@ under AUTO_MIN_KERNEL to PyTorch without one).
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -36,23 +37,30 @@ def conv_impl() -> str:
 
 def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int]) -> str | None:
     """Why lkcnn's CUDA kernels cannot run this call, or None when they can."""
-    kh, kw = kernel_size
     if not x.is_cuda:
         return f"the input is on {x.device.type}, not a CUDA device"
-    if x.dtype not in CUDA_DTYPES:
-        return f"dtype {x.dtype} has no CUDA kernel (float32, float16 and bfloat16 do)"
-    if x.dtype != torch.float32 and torch.cuda.get_device_capability(x.device) < (8, 0):
-        return f"{x.dtype} runs on tensor cores, which need compute capability 8.0 or newer"
+    return _cuda_reason(x.device, x.dtype, *kernel_size, *padding, x.shape[-1])
+
+
+# Memoised: the answer depends only on these arguments, and every call of the op asks (a training step asks about
+# 100 times; the uncached checks cost tens of microseconds of Python each).
+@functools.lru_cache(maxsize=4096)
+def _cuda_reason(device: torch.device, dtype: torch.dtype, kh: int, kw: int, ph: int, pw: int,
+                 width: int) -> str | None:
+    if dtype not in CUDA_DTYPES:
+        return f"dtype {dtype} has no CUDA kernel (float32, float16 and bfloat16 do)"
+    if dtype != torch.float32 and torch.cuda.get_device_capability(device) < (8, 0):
+        return f"{dtype} runs on tensor cores, which need compute capability 8.0 or newer"
     if kh % 2 == 0 or kw % 2 == 0 or max(kh, kw) > MAX_KERNEL:
         return f"kernel {kh}x{kw}: the CUDA kernels take odd sizes up to {MAX_KERNEL}"
-    if list(padding) != [kh // 2, kw // 2]:
-        return f"padding {tuple(padding)} is not the 'same' padding ({kh // 2}, {kw // 2})"
+    if (ph, pw) != (kh // 2, kw // 2):
+        return f"padding {(ph, pw)} is not the 'same' padding ({kh // 2}, {kw // 2})"
     try:
         module = build.load()
     except build.BuildError as err:
         return f"the CUDA extension is unavailable ({err})"
-    if not module.supported(x.shape[-1], kh, kw):
-        return f"maps {x.shape[-1]} wide with a {kh}x{kw} kernel do not fit the weight-gradient tile"
+    if not module.supported(width, kh, kw):
+        return f"maps {width} wide with a {kh}x{kw} kernel do not fit the weight-gradient tile"
     return None
 
 
