@@ -2,7 +2,7 @@
 PyTorch's convolution vs the same net with 3x3 kernels: the numbers behind docs/performance.md's end-to-end table.
 (The Hydra/Lightning route is `python train.py model=replknet31b data=synthetic ...`; this script needs neither.)
 
-    python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last]
+    python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last] [--compile]
 """
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ import torch.nn.functional as F
 import lkcnn  # noqa: F401  registers the models
 
 
-def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, **model_kwargs) -> float:
+def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+                 **model_kwargs) -> float:
     os.environ["LKCNN_CONV_IMPL"] = impl
     model = timm.create_model("replknet31b", **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if compile:
+        model.compile()  # as the training app's `compile=true` does; the warm-up steps absorb the compilation
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     if channels_last:
@@ -47,24 +50,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (use --warmup 3 or more)")
     parser.add_argument("--json", default="")
+    parser.add_argument("--runs", type=lambda s: s.split(","), default=["cuda", "auto", "torch", "cuda3", "torch3"],
+                        help="comma list of cuda,auto,torch,cuda3,torch3 (default all)")
     args = parser.parse_args()
-    common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last)
-    runs = {
-        "lkcnn kernels, 31-29-27-13 + 5x5": images_per_s("cuda", **common),
+    common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
+                  compile=args.compile)
+    small = dict(kernel_sizes=3, small_kernel=0)  # small_kernel=0 drops the branch (timm drops None-valued keywords)
+    variants = {  # key: (label, LKCNN_CONV_IMPL, model keywords)
+        "cuda": ("lkcnn kernels, 31-29-27-13 + 5x5", "cuda", {}),
         # the default dispatch: large kernels on lkcnn, the 5x5 branch (under AUTO_MIN_KERNEL) on cuDNN
-        "lkcnn 'auto', 31-29-27-13 + 5x5": images_per_s("auto", **common),
-        "PyTorch conv, 31-29-27-13 + 5x5": images_per_s("torch", **common),
-        # small_kernel=0 drops the branch (timm.create_model drops None-valued keywords)
-        "lkcnn kernels, 3x3, no small branch": images_per_s("cuda", kernel_sizes=3, small_kernel=0, **common),
-        "PyTorch conv, 3x3, no small branch": images_per_s("torch", kernel_sizes=3, small_kernel=0, **common),
+        "auto": ("lkcnn 'auto', 31-29-27-13 + 5x5", "auto", {}),
+        "torch": ("PyTorch conv, 31-29-27-13 + 5x5", "torch", {}),
+        "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", small),
+        "torch3": ("PyTorch conv, 3x3, no small branch", "torch", small),
     }
-    print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {torch.cuda.get_device_name()}")
+    unknown = set(args.runs) - set(variants)
+    if unknown:
+        parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(variants)}")
+    runs = {variants[k][0]: images_per_s(variants[k][1], **common, **variants[k][2]) for k in args.runs}
+    mode = ("compiled, " if args.compile else "") + ("channels_last, " if args.channels_last else "")
+    print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {mode}{torch.cuda.get_device_name()}")
     for name, ips in runs.items():
         print(f"{name:40s} {ips:8.1f} img/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "images_per_s": runs}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "compile": args.compile,
+                       "channels_last": args.channels_last, "images_per_s": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
