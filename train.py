@@ -19,7 +19,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import torch
     from hydra.utils import instantiate
 
-    from lkcnn.training import resolve_ckpt_path
+    from lkcnn.training import SyncBatchNormPlugin, resolve_ckpt_path
 
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here
     if cfg.cpu_threads:
@@ -30,7 +30,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     module.hydra_config = resolved  # saved in every checkpoint
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # sync_batchnorm: lkcnn's SyncBatchNorm, which (unlike torch.nn.SyncBatchNorm) does not stall the CPU per layer
+    plugins = {"plugins": [SyncBatchNormPlugin()]} if cfg.trainer.get("sync_batchnorm") else {}
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir))
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     return trainer.validate(module, datamodule=datamodule, ckpt_path=best or None)[0]

@@ -1,8 +1,10 @@
 """Multi-process training on the CPU (gloo): train.py with trainer=ddp on two processes splits the data, scales the
 learning rate to the global batch and reports global throughput; a multirun launched by torchrun runs every job on
-two processes; SyncBatchNorm reaches every BatchNorm of a RepLKNet."""
+two processes; lkcnn's SyncBatchNorm reaches every BatchNorm of a RepLKNet and is BatchNorm outside distributed
+training (its distributed path runs on GPUs: tests/test_sync_batchnorm_gpu.py)."""
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import os
@@ -12,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import timm
+import torch
 import torch.nn as nn
 from hydra import compose, initialize_config_dir
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.layers import LargeKernelConv
-from lkcnn.training import ClassificationModule
+from lkcnn.training import ClassificationModule, SyncBatchNorm, SyncBatchNormPlugin
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, BATCH, NUM_TRAIN, LR, BASE_BATCH = 2, 4, 32, 2e-3, 64
@@ -81,10 +83,26 @@ def test_ddp_config_syncs_batchnorm_and_every_batchnorm_converts():
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.sync_batchnorm is True and cfg.trainer.devices == "auto"
     net = timm.create_model("replknet_tiny", kernel_sizes=[7, 5, 3, 3], small_kernel=3)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in net.modules())
-    synced = TorchSyncBatchNorm().apply(net)  # what Lightning applies for sync_batchnorm=True
-    assert n_bn > 0 and sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == n_bn
-    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    synced = SyncBatchNormPlugin().apply(net)  # what train.py gives Lightning for sync_batchnorm=True
+    assert n_bn > 0 and sum(type(m) is SyncBatchNorm for m in synced.modules()) == n_bn
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
                    for m in synced.modules())
+    reverted = SyncBatchNormPlugin().revert(synced)  # Lightning reverts before saving a deployable model
+    assert not any(isinstance(m, nn.SyncBatchNorm) for m in reverted.modules())
+    assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in reverted.modules()) == n_bn
+
+
+def test_sync_batchnorm_is_batchnorm_outside_distributed_training():
+    """Without a process group (or in eval mode, or on the CPU) it is torch's forward: plain BatchNorm."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(5)
+    synced = SyncBatchNormPlugin().apply(nn.Sequential(copy.deepcopy(bn)))[0]
+    x = torch.randn(4, 5, 6, 6) * 3 + 1
+    for mode in (True, False):
+        bn.train(mode), synced.train(mode)
+        torch.testing.assert_close(synced(x), bn(x))
+    torch.testing.assert_close(synced.running_mean, bn.running_mean)
+    assert synced.num_batches_tracked.item() == bn.num_batches_tracked.item() == 1
 
 
 def test_ema_copy_takes_no_gradients():

@@ -5,7 +5,8 @@ from .model_factory import build_model
 from .module import ClassificationModule
 from .resume import resolve_ckpt_path
 from .sources import DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
+from .sync_batchnorm import SyncBatchNorm, SyncBatchNormPlugin
 
 __all__ = ["ClassificationModule", "ConfigError", "CorruptImageError", "DigitsDataModule", "ImageDataModule",
-           "ImageFolderDataModule", "PathNotFoundError", "SyntheticDataModule", "UserError", "build_model",
-           "resolve_ckpt_path", "user_error_message"]
+           "ImageFolderDataModule", "PathNotFoundError", "SyncBatchNorm", "SyncBatchNormPlugin", "SyntheticDataModule",
+           "UserError", "build_model", "resolve_ckpt_path", "user_error_message"]
