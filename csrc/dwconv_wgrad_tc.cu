@@ -5,8 +5,9 @@
 //
 // A block owns one channel and walks work items (one sample, one band of PH rows of dy) of a range of samples.
 // PB items at a time are staged in shared memory (x strip in the storage type, dy rows as Toeplitz pairs), one per
-// slot; the MT warps of a slot each own 16 kernel rows x 8*NB kernel columns in fp32 accumulators and loop over the
-// item's dy rows whose x rows meet the map. At the end the slots are summed in shared memory and each tap gets one
+// slot; the MT x PS warps of a slot each own 16 kernel rows x 8*NB kernel columns in fp32 accumulators and loop over
+// every PS-th of the item's dy rows whose x rows meet the map (PS > 1: more warps per SM for the same shared memory;
+// the weight gradient is bound by latency, not by issue). At the end the slots are summed in shared memory and each tap gets one
 // fp32 atomic per block (the last bits of the sum depend on the order, as with the SIMT kernel).
 #include "band_mma.cuh"
 #include "dwconv.h"
@@ -24,7 +25,7 @@ constexpr int kMaxSmem = 96 * 1024;
 constexpr int kMaxSteps = 4;           // band steps per band_mma call; wider maps take several calls
 
 struct WgradTcTile {
-  int MT, PB;          // 16-kernel-row tiles (warps per slot), slots per block
+  int MT, PS, PB;      // 16-kernel-row tiles, warps splitting an item's dy rows (warps per slot MT * PS); slots
   int steps, S, SC;    // band steps (16 steps >= W + 7); steps per band_mma call; steps rounded up to SC
   int PH, chunks;      // dy rows per item, items per sample
   int XR, XLD;         // staged x rows, row stride (elements)
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
                                                               const WgradTcTile t) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, nthr = blockDim.x, warp = tid / 32, lane = tid % 32;
-  const int z = warp / t.MT, mt = warp % t.MT;
+  const int z = warp / (t.MT * t.PS), mt = warp % t.MT, ps = warp / t.MT % t.PS;
   const int64_t c = blockIdx.x;
   const int64_t begin = int64_t(blockIdx.y) * t.items_per_block;
   const int64_t end = min(t.items, begin + t.items_per_block);
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
     // dy rows of the item whose 16 x rows (pa + p + 16 mt - ph + [0, 16)) meet the map.
     const int p_lo = max(0, g.ph - pa - 16 * mt - 15);
     const int p_hi = min(min(t.PH, int(g.H) - pa), int(g.H) + g.ph - pa - 16 * mt);
-    for (int p = p_lo; p < p_hi; ++p)
+    for (int p = p_lo + ps; p < p_hi; p += t.PS)
       for (int s0 = 0; s0 < t.S; s0 += SC)
         band_mma<T, NB, SC>(acc, a + p * row_bytes + s0 * 16 * sizeof(T), q + p * t.QL + 16 * s0, 0, t.steps - s0);
   }
@@ -118,14 +119,14 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
   for (int e = 0; e < 4; ++e)
 #pragma unroll
     for (int b = 0; b < NB; ++b)
-      part[z * t.part_floats + (16 * mt + lane / 4 + 8 * (e / 2)) * kCols + 8 * b + 2 * (lane % 4) + e % 2] = acc[b][e];
+      part[(z * t.PS + ps) * t.part_floats + (16 * mt + lane / 4 + 8 * (e / 2)) * kCols + 8 * b + 2 * (lane % 4) + e % 2] = acc[b][e];
   __syncthreads();
   float* dwc = dw + c * g.kh * g.kw;
   for (int i = tid; i < t.part_floats; i += nthr) {
     const int r = i / kCols, s = i % kCols;
     if (r >= g.kh || s >= g.kw) continue;
     float sum = 0.f;
-    for (int k = 0; k < t.PB; ++k) sum += part[k * t.part_floats + i];
+    for (int k = 0; k < t.PB * t.PS; ++k) sum += part[k * t.part_floats + i];
     atomicAdd(dwc + r * g.kw + s, sum);
   }
 }
@@ -153,12 +154,13 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   t.XR = t.PH + 16 * t.MT - 1;
   t.x_bytes = t.XR * t.XLD * 2;
   t.part_floats = 16 * t.MT * 8 * NB;
-  t.slot_bytes = (std::max(bytes(t.PH), t.part_floats * 4) + 15) / 16 * 16;
+  t.PS = std::max(1, 4 / t.MT);  // two slots of MT * PS warps: 8 warps for MT <= 4
+  t.slot_bytes = (std::max(bytes(t.PH), t.PS * t.part_floats * 4) + 15) / 16 * 16;
   TORCH_CHECK(t.slot_bytes <= kMaxSmem, "lkcnn dwconv2d: the weight-gradient tile does not fit in shared memory; "
               "this map width / kernel size is not supported by the CUDA kernel");
   t.chunks = ceil_div(int(g.H), t.PH);
   t.items = g.N * t.chunks;
-  t.PB = int(std::min<int64_t>({std::max(1, 8 / t.MT), kMaxSmem / t.slot_bytes, t.items}));  // <= 8 slots
+  t.PB = int(std::min<int64_t>({2, kMaxSmem / t.slot_bytes, t.items}));  // 2 slots: many small blocks per SM
   // About eight blocks per SM, each with a multiple of PB items.
   int64_t splits = std::max<int64_t>(1, (8 * int64_t(num_sms) + g.C - 1) / g.C);
   splits = std::min<int64_t>({splits, (t.items + t.PB - 1) / t.PB, 65535});
@@ -175,7 +177,7 @@ void run_wgrad_tc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, con
   auto kernel = dwconv_wgrad_tc_kernel<T, NB, SC>;
   if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   TORCH_CHECK(g.C < INT32_MAX, "lkcnn dwconv2d: too many channels for one launch");
-  kernel<<<dim3(unsigned(g.C), unsigned(splits)), 32 * t.MT * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<dim3(unsigned(g.C), unsigned(splits)), 32 * t.MT * t.PS * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
       dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g, t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
