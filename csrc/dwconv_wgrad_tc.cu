@@ -154,13 +154,24 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   t.XR = t.PH + 16 * t.MT - 1;
   t.x_bytes = t.XR * t.XLD * 2;
   t.part_floats = 16 * t.MT * 8 * NB;
-  t.PS = std::max(1, 4 / t.MT);  // two slots of MT * PS warps: 8 warps for MT <= 4
-  t.slot_bytes = (std::max(bytes(t.PH), t.PS * t.part_floats * 4) + 15) / 16 * 16;
+  // Eight warps per block (fewer for MT = 3) as PB slots x PS warps per kernel-row tile: the most slots (fewer rounds
+  // and barriers per item) among the choices that fit the most blocks per SM. Measured (docs/performance.md v10):
+  // splitting rows only pays where the slots of one warp each would hold the SM to fewer blocks.
+  constexpr int kSmemPerSm = 220 * 1024, kBlocksPerSm = 3;  // 256 threads of ~64-75 registers: 3 blocks
+  const int warps = std::max(1, 8 / t.MT);
+  int best = -1;  // the largest PB that fits, replaced only by one that fits more blocks
+  for (int pb = warps; pb >= 1; pb /= 2) {
+    const int ps = warps / pb;
+    const int slot = (std::max(bytes(t.PH), ps * t.part_floats * 4) + 15) / 16 * 16;
+    if (pb > 1 && pb * slot > kMaxSmem) continue;
+    const int blocks = std::min(kBlocksPerSm, kSmemPerSm / (pb * slot));
+    if (blocks > best) best = blocks, t.PB = pb, t.PS = ps, t.slot_bytes = slot;
+  }
   TORCH_CHECK(t.slot_bytes <= kMaxSmem, "lkcnn dwconv2d: the weight-gradient tile does not fit in shared memory; "
               "this map width / kernel size is not supported by the CUDA kernel");
   t.chunks = ceil_div(int(g.H), t.PH);
   t.items = g.N * t.chunks;
-  t.PB = int(std::min<int64_t>({2, kMaxSmem / t.slot_bytes, t.items}));  // 2 slots: many small blocks per SM
+  t.PB = int(std::min<int64_t>(t.PB, t.items));
   // About eight blocks per SM, each with a multiple of PB items.
   int64_t splits = std::max<int64_t>(1, (8 * int64_t(num_sms) + g.C - 1) / g.C);
   splits = std::min<int64_t>({splits, (t.items + t.PB - 1) / t.PB, 65535});
