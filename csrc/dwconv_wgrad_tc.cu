@@ -22,6 +22,7 @@ namespace {
 
 constexpr int kSlotBytes = 32 * 1024;  // shared memory per slot before an item takes fewer dy rows
 constexpr int kMaxSmem = 96 * 1024;
+constexpr int kSmemFor3Blocks = 76 * 1024;  // per block, for three blocks per SM
 constexpr int kMaxSteps = 4;           // band steps per band_mma call; wider maps take several calls
 
 struct WgradTcTile {
@@ -154,18 +155,17 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   t.XR = t.PH + 16 * t.MT - 1;
   t.x_bytes = t.XR * t.XLD * 2;
   t.part_floats = 16 * t.MT * 8 * NB;
-  // Eight warps per block (fewer for MT = 3) as PB slots x PS warps per kernel-row tile: the most slots (fewer rounds
-  // and barriers per item) among the choices that fit the most blocks per SM. Measured (docs/performance.md v10):
-  // splitting rows only pays where the slots of one warp each would hold the SM to fewer blocks.
-  constexpr int kSmemPerSm = 220 * 1024, kBlocksPerSm = 3;  // 256 threads of ~64-75 registers: 3 blocks
-  const int warps = std::max(1, 8 / t.MT);
-  int best = -1;  // the largest PB that fits, replaced only by one that fits more blocks
-  for (int pb = warps; pb >= 1; pb /= 2) {
-    const int ps = warps / pb;
-    const int slot = (std::max(bytes(t.PH), ps * t.part_floats * 4) + 15) / 16 * 16;
-    if (pb > 1 && pb * slot > kMaxSmem) continue;
-    const int blocks = std::min(kBlocksPerSm, kSmemPerSm / (pb * slot));
-    if (blocks > best) best = blocks, t.PB = pb, t.PS = ps, t.slot_bytes = slot;
+  // Eight warps per block: up to 8 / MT slots of MT warps each (fewest rounds and barriers per item), unless those
+  // slots would leave fewer than 3 blocks per SM; then two slots whose items are split among PS = 4 / MT warps each
+  // (more warps per SM for the same shared memory). Measured both ways: docs/performance.md, v9 and v10.
+  auto slot_of = [&](int ps) { return (std::max(bytes(t.PH), ps * t.part_floats * 4) + 15) / 16 * 16; };
+  t.PS = 1;
+  t.slot_bytes = slot_of(1);
+  t.PB = std::max(1, std::min(8 / t.MT, kMaxSmem / t.slot_bytes));
+  if (t.PB * t.slot_bytes > kSmemFor3Blocks) {
+    t.PS = std::max(1, 4 / t.MT);
+    t.slot_bytes = slot_of(t.PS);
+    t.PB = std::max(1, std::min(2, kMaxSmem / t.slot_bytes));
   }
   TORCH_CHECK(t.slot_bytes <= kMaxSmem, "lkcnn dwconv2d: the weight-gradient tile does not fit in shared memory; "
               "this map width / kernel size is not supported by the CUDA kernel");
