@@ -58,7 +58,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
 class SyncBatchNorm(nn.SyncBatchNorm):
     """torch.nn.SyncBatchNorm whose distributed training forward does not wait for the GPU (module docstring)."""
 
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002  (nn.SyncBatchNorm's argument name)
+    def forward(self, input: Tensor) -> Tensor:
         group = self.process_group or dist.group.WORLD
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         if not (self.training and distributed and input.is_cuda and input.numel() > 0 and self.track_running_stats
