@@ -2,9 +2,10 @@
 //
 // One block computes an output tile of 16*MT rows x 8*NB columns of one channel for a range of samples, PB planes
 // per round. The input strip of each plane is staged in shared memory in the storage type (the padding zeroed once
-// per block), the channel's kernel as Toeplitz pairs. Warp (plane z, row tile mt) owns 16 output rows x 8*NB columns in fp32 accumulators and, for
-// every kernel row i whose input rows meet the map, runs band_mma over the band steps whose columns meet the map:
-// kernel rows and band steps entirely in the padding are skipped per warp.
+// per block), the channel's kernel as Toeplitz pairs. Warp (plane z, row tile mt) owns 16 output rows x 8*NB columns
+// in fp32 accumulators and, for every kernel row i whose input rows meet the map, runs band_mma (S band steps of 16
+// columns, 16S >= kw + 7) over the steps whose columns meet the map: kernel rows and band steps entirely in the
+// padding are skipped per warp.
 //
 // A non-finite input inside an output's band (at most 16S - K + 7 columns beyond its receptive field) reaches that
 // output through 0 * inf; finite inputs give the exact correlation with fp32 accumulation.
@@ -24,7 +25,6 @@ constexpr int kRounds = 4;  // groups of PB planes per block: amortises the zero
 
 struct FwdTcTile {
   int MT, PB;        // 16-row tiles per block, planes per round (warps = MT * PB)
-  int S;             // band steps of 16 columns: 16S >= kw + 7
   int TW, TH, tiles_w, tiles_h;
   int IR, XLD;       // staged input rows, row stride (elements)
   int QL;            // Toeplitz pairs per kernel row
@@ -113,7 +113,6 @@ int pick_nb(int W) { return W > 16 ? 4 : W > 8 ? 2 : 1; }
 
 FwdTcTile plan_fwd_tc(const ConvGeom& g, int NB, int S, int num_sms) {
   FwdTcTile t;
-  t.S = S;
   t.TW = 8 * NB;
   t.tiles_w = ceil_div(g.W, t.TW);
   t.MT = std::min(ceil_div(g.H, 16), 4);

@@ -23,7 +23,9 @@ namespace lkcnn {
 namespace {
 
 constexpr int kU = 4, kV = 8;
-constexpr int kSlotBytes = 24 * 1024;  // 16 KB (more blocks per SM) measured slower: docs/performance.md v3  // shared memory per slot, before falling back to fewer dy rows per item
+// Shared memory per slot, before an item falls back to fewer dy rows; 16 KB (more blocks per SM) measured slower
+// (docs/performance.md, v3).
+constexpr int kSlotBytes = 24 * 1024;
 constexpr int kMaxSmem = 96 * 1024;
 
 struct WgradTile {

@@ -7,8 +7,8 @@
 // PB items at a time are staged in shared memory (x strip in the storage type, dy rows as Toeplitz pairs), one per
 // slot; the MT x PS warps of a slot each own 16 kernel rows x 8*NB kernel columns in fp32 accumulators and loop over
 // every PS-th of the item's dy rows whose x rows meet the map (PS > 1: more warps per SM for the same shared memory;
-// the weight gradient is bound by latency, not by issue). At the end the slots are summed in shared memory and each tap gets one
-// fp32 atomic per block (the last bits of the sum depend on the order, as with the SIMT kernel).
+// the weight gradient is bound by latency, not by issue). At the end the slots are summed in shared memory and each
+// tap gets one fp32 atomic per block (the last bits of the sum depend on the order, as with the SIMT kernel).
 #include "band_mma.cuh"
 #include "dwconv.h"
 #include "tile.cuh"
@@ -27,7 +27,7 @@ constexpr int kMaxSteps = 4;           // band steps per band_mma call; wider ma
 
 struct WgradTcTile {
   int MT, PS, PB;      // 16-kernel-row tiles, warps splitting an item's dy rows (warps per slot MT * PS); slots
-  int steps, S, SC;    // band steps (16 steps >= W + 7); steps per band_mma call; steps rounded up to SC
+  int steps, S;        // band steps (16 steps >= W + 7); steps rounded up to the kernel's steps per call SC
   int PH, chunks;      // dy rows per item, items per sample
   int XR, XLD;         // staged x rows, row stride (elements)
   int QL;              // Toeplitz pairs per dy row
@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
   for (int e = 0; e < 4; ++e)
 #pragma unroll
     for (int b = 0; b < NB; ++b)
-      part[(z * t.PS + ps) * t.part_floats + (16 * mt + lane / 4 + 8 * (e / 2)) * kCols + 8 * b + 2 * (lane % 4) + e % 2] = acc[b][e];
+      part[(z * t.PS + ps) * t.part_floats + (16 * mt + lane / 4 + 8 * (e / 2)) * kCols + 8 * b + 2 * (lane % 4) +
+           e % 2] = acc[b][e];
   __syncthreads();
   float* dwc = dw + c * g.kh * g.kw;
   for (int i = tid; i < t.part_floats; i += nthr) {
@@ -144,10 +145,10 @@ int steps_per_call(int64_t W) { return std::min(steps(W), kMaxSteps); }
 WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   WgradTcTile t;
   t.MT = ceil_div(g.kh, 16);
-  t.SC = steps_per_call(g.W);
+  const int SC = steps_per_call(g.W);
   t.steps = steps(g.W);
-  t.S = ceil_div(t.steps, t.SC) * t.SC;
-  t.XLD = tc_ld(band_cols(NB, t.SC) + 16 * (t.S - t.SC));
+  t.S = ceil_div(t.steps, SC) * SC;
+  t.XLD = tc_ld(band_cols(NB, SC) + 16 * (t.S - SC));
   t.QL = 16 * t.S + 8;
   auto bytes = [&](int rows) { return (rows + 16 * t.MT - 1) * t.XLD * 2 + rows * t.QL * 4; };
   t.PH = int(g.H);

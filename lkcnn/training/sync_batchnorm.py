@@ -60,14 +60,14 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         group = self.process_group or dist.group.WORLD
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-        if not (self.training and distributed and input.is_cuda and input.numel() > 0 and self.track_running_stats
+        world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        if not (self.training and world_size > 1 and input.is_cuda and input.numel() > 0 and self.track_running_stats
                 and self.momentum is not None):
             return super().forward(input)
         self._check_input_dim(input)
         self.num_batches_tracked.add_(1)
         return _SyncBatchNormFn.apply(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
-                                      self.momentum, group, dist.get_world_size(group))
+                                      self.momentum, group, world_size)
 
 
 class SyncBatchNormPlugin(TorchSyncBatchNorm):
