@@ -1,0 +1,90 @@
+"""Where a DDP training step of RepLKNet-31B spends its time, per BatchNorm choice: images/s over all GPUs, the
+GPU-busy fraction of a step, and the CUDA kernels that take the most time (rank 0). Plain DDP, no Lightning, so
+the numbers isolate the model, the BatchNorm and the collectives from the training app.
+
+    torchrun --standalone --nproc-per-node 2 scripts/ddp_profile.py [--batch 64] [--bn none,lkcnn,torch]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import timm
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+
+import lkcnn  # noqa: F401  registers the models
+from lkcnn.training.sync_batchnorm import SyncBatchNorm
+
+
+def build(bn: str, device: torch.device) -> torch.nn.Module:
+    model = timm.create_model("replknet31b").to(device)
+    if bn != "none":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if bn == "lkcnn":
+            for m in model.modules():
+                if type(m) is torch.nn.SyncBatchNorm:
+                    m.__class__ = SyncBatchNorm
+    return DistributedDataParallel(model, device_ids=[device.index])
+
+
+def step_fn(model, opt, x, y):
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64, help="images per GPU")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--bn", type=lambda s: s.split(","), default=["none", "lkcnn", "torch"])
+    parser.add_argument("--top", type=int, default=18)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    x = torch.randn(args.batch, 3, 224, 224, device=device)
+    y = torch.randint(0, 1000, (args.batch,), device=device)
+    for bn in args.bn:
+        model = build(bn, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step = step_fn(model, opt, x, y)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / args.steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        if rank == 0:
+            kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+            busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
+            nccl_ms = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e3 / 3
+            print(f"\n== bn={bn}: {world} GPU(s) x {args.batch}: {world * args.batch / seconds:.1f} img/s, "
+                  f"step {seconds * 1e3:.1f} ms; kernels {busy_ms:.1f} ms/step (NCCL {nccl_ms:.1f})")
+            for e in kernels[:args.top]:
+                print(f"{e.self_device_time_total / 1e3 / 3:8.2f} ms/step {e.count // 3:5d}x  {e.key[:110]}")
+        del model, opt, step
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
