@@ -1,8 +1,10 @@
-// Python binding of the CUDA kernels. The kernels write into tensors the caller allocates (lkcnn/ops/dwconv.py),
-// which keeps memory formats and the tests' output poisoning in one place on the Python side.
+// Python binding of the CUDA kernels and of the synchronized BatchNorm. The kernels write into tensors the caller
+// allocates (lkcnn/ops/dwconv.py), which keeps memory formats and the tests' output poisoning in one place on the
+// Python side.
 #include <torch/extension.h>
 
 #include "dwconv.h"
+#include "sync_batchnorm.h"
 
 namespace lkcnn {
 
@@ -70,4 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_out"), py::arg("x"), py::arg("dw"), py::arg("ph"), py::arg("pw"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
+  m.def("sync_batch_norm", &lkcnn::sync_batch_norm,
+        "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
+        py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),
+        py::arg("momentum"), py::arg("group_name"));
 }

@@ -1,62 +1,36 @@
-"""Synchronized BatchNorm without a host synchronization per layer, and the Lightning plugin that installs it.
+"""Synchronized BatchNorm that keeps the host ahead of the GPU, and the Lightning plugin that installs it.
 
-Why not torch.nn.SyncBatchNorm as is: its forward drops the statistics of ranks with an empty batch by boolean
-indexing (`count_all[mask]`, pytorch/pytorch#78549), which makes the CPU wait for the GPU once per BatchNorm layer.
-RepLKNet-31B has ~100 BatchNorms, so the CPU can never run ahead of the GPU: on 2x H200 that turned 2 GPUs into 0.93x
-of one (docs/performance.md, "Multi-GPU"). Training batches are never empty on any rank (Lightning's distributed
-sampler gives every rank the same number of samples), so this version keeps PyTorch's fused kernels and collectives
-and leaves the mask out; everything else (eval mode, CPU tensors, one process, empty inputs) is
-torch.nn.SyncBatchNorm's own forward.
+Why not torch.nn.SyncBatchNorm as is: a DDP step of RepLKNet-31B runs ~200 BatchNorms, and torch's synchronized
+forward and backward are Python around PyTorch's kernels and collectives. That costs host time in every layer (and
+its forward also makes the host wait for the GPU once per layer, by boolean indexing: pytorch/pytorch#78549): on
+2x H200 it turned 2 GPUs into 0.93x of one, and even without the wait the host needed ~0.7 ms per layer, more per
+step than the GPU. lkcnn's version issues the same kernels and collectives from one C++ autograd function
+(csrc/sync_batchnorm.cpp, built with the convolution kernels). Eval mode, CPU tensors, one process, empty inputs, or
+a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
 """
 from __future__ import annotations
 
-import torch
+import warnings
+
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 
+from lkcnn.ops import build
 
-class _SyncBatchNormFn(torch.autograd.Function):
-    """Training-mode BatchNorm over the whole process group: one all_gather forward, one all_reduce backward."""
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
-                running_var: Tensor | None, eps: float, momentum: float, group, world_size: int) -> Tensor:
-        memory_format = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) \
-            else torch.contiguous_format
-        x = x.contiguous(memory_format=memory_format)
-        channels = x.shape[1]
-        mean, invstd = torch.batch_norm_stats(x, eps)
-        count = torch.full((1,), x.numel() // channels, dtype=mean.dtype, device=mean.device)
-        gathered = torch.empty(world_size, 2 * channels + 1, dtype=mean.dtype, device=mean.device)
-        dist.all_gather_into_tensor(gathered, torch.cat([mean, invstd, count]), group=group)
-        mean_all, invstd_all, count_all = gathered.split([channels, channels, 1], dim=1)
-        mean, invstd = torch.batch_norm_gather_stats_with_counts(
-            x, mean_all, invstd_all, running_mean, running_var, momentum, eps, count_all.view(-1))
-        ctx.save_for_backward(x, weight, mean, invstd, count_all.view(-1).to(torch.int32))
-        ctx.group, ctx.memory_format = group, memory_format
-        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+                    running_var: Tensor | None, eps: float, momentum: float, group) -> Tensor:
+    """Training-mode BatchNorm of x with batch statistics over every rank of `group` (autograd-aware).
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight, mean, invstd, count = ctx.saved_tensors
-        grad = grad.contiguous(memory_format=ctx.memory_format)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
-            grad, x, mean, invstd, weight, need_x, need_w and weight is not None, need_b and weight is not None)
-        grad_x = None
-        if need_x:
-            channels = x.shape[1]
-            combined = torch.cat([sum_dy, sum_dy_xmu])
-            dist.all_reduce(combined, group=ctx.group)
-            sum_dy, sum_dy_xmu = combined.split(channels)
-            grad_x = torch.batch_norm_backward_elemt(grad, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
-        return (grad_x, grad_weight if need_w else None, grad_bias if need_b else None,
-                None, None, None, None, None, None)
+    Every rank must pass the same number of samples; running statistics are updated in place. Raises
+    lkcnn.ops.build.BuildError where the CUDA extension cannot be built.
+    """
+    return build.load().sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group.group_name)
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
-    """torch.nn.SyncBatchNorm whose distributed training forward does not wait for the GPU (module docstring)."""
+    """torch.nn.SyncBatchNorm whose distributed training forward and backward run in C++ (module docstring)."""
 
     def forward(self, input: Tensor) -> Tensor:
         group = self.process_group or dist.group.WORLD
@@ -65,9 +39,14 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                 and self.momentum is not None):
             return super().forward(input)
         self._check_input_dim(input)
+        try:
+            build.load()
+        except build.BuildError as err:
+            warnings.warn(f"lkcnn SyncBatchNorm falls back to torch.nn.SyncBatchNorm (slower): {err}", stacklevel=2)
+            return super().forward(input)
         self.num_batches_tracked.add_(1)
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
-                                      self.momentum, group, world_size)
+        return sync_batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                               self.momentum, group)
 
 
 class SyncBatchNormPlugin(TorchSyncBatchNorm):
