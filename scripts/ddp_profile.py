@@ -1,8 +1,9 @@
 """Where a DDP training step of RepLKNet-31B spends its time, per BatchNorm choice: images/s over all GPUs, the
-GPU-busy and host (CPU) time of a step, and the CUDA kernels that take the most time (rank 0). Plain DDP, no Lightning, so
-the numbers isolate the model, the BatchNorm and the collectives from the training app.
+GPU-busy and host (CPU) time of a step, and the CUDA kernels that take the most time (rank 0). Plain DDP, no
+Lightning, so the numbers isolate the model, the BatchNorm and the collectives from the training app.
 
-    torchrun --standalone --nproc-per-node 2 scripts/ddp_profile.py [--batch 64] [--bn none,lkcnn,torch]
+    torchrun --standalone --nproc-per-node 2 scripts/ddp_profile.py [--batch 64] [--bn none,lkcnn,torch] \
+        [--channels-last]
 
 With one process, `--bn lkcnn` still takes lkcnn's synchronized path (a one-rank group), so its host cost shows on
 a single GPU; a small --batch (8) makes the GPU wait for the host, so the step time is the host time.
@@ -35,8 +36,10 @@ class _AlwaysSynced(SyncBatchNorm):
                                self.momentum, dist.group.WORLD)
 
 
-def build(bn: str, device: torch.device) -> torch.nn.Module:
+def build(bn: str, device: torch.device, channels_last: bool) -> torch.nn.Module:
     model = timm.create_model("replknet31b").to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     if bn != "none":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if bn == "lkcnn":
@@ -61,6 +64,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="images per GPU")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--bn", type=lambda s: s.split(","), default=["none", "lkcnn", "torch"])
+    parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--top", type=int, default=18, help="kernels to list")
     parser.add_argument("--top-host", type=int, default=0, help="host (CPU) ops to list")
     args = parser.parse_args()
@@ -69,9 +73,11 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     x = torch.randn(args.batch, 3, 224, 224, device=device)
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
     for bn in args.bn:
-        model = build(bn, device)
+        model = build(bn, device, args.channels_last)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         step = step_fn(model, opt, x, y)
         for _ in range(5):

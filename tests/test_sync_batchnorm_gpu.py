@@ -1,7 +1,9 @@
-"""lkcnn's synchronized BatchNorm (the C++ function) on a GPU against BatchNorm in float64 (one-rank NCCL group, so the collectives run).
+"""lkcnn's synchronized BatchNorm (the C++ function) on a GPU against BatchNorm in float64 (one-rank NCCL group, so
+the collectives run).
 
 With one rank the synchronized statistics are the local ones, so forward, input/weight/bias gradients and the
-running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last.
+running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last,
+with and without affine parameters; and no host synchronization anywhere.
 """
 from __future__ import annotations
 
