@@ -22,7 +22,7 @@ t2=$(date +%s%N)
 
 trc=skipped brc=skipped
 if [ "$mode" != bench ]; then
-  $PY -m pytest -q -m gpu tests/test_ops_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1; trc=$?
+  $PY -m pytest -q -m gpu tests/ -p no:cacheprovider >"$OUT/tests.log" 2>&1; trc=$?
 fi
 wait $ptxas_pid  # the compile report competes for the CPU, and small shapes' timings include host time
 if [ "$mode" != tests ]; then
