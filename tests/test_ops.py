@@ -48,6 +48,17 @@ def test_explicit_padding_and_channels_last():
         assert y.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_weight_gradient_keeps_the_weights_layout():
+    """A channels_last weight gets a channels_last gradient (the layout contract DDP's gradient buckets rely on)."""
+    x, w, b = _rand_case(7, 5)
+    w_cl = w.detach().to(memory_format=torch.channels_last).requires_grad_()  # as Module.to(memory_format=...)
+    assert w_cl.stride() != w.stride()  # (C, 1, kh, kw): the strides differ in the size-1 dim
+    dwconv2d(x, w_cl, b).sum().backward()
+    dwconv2d(x, w, b).sum().backward()
+    assert w_cl.grad.stride() == w_cl.stride() and w.grad.stride() == w.stride()
+    torch.testing.assert_close(w_cl.grad, w.grad)
+
+
 def test_opcheck_cpu():
     x, w, b = (t.detach() for t in _rand_case(7, 5))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd, (x, w, b, [3, 2]))

@@ -162,13 +162,22 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
 
 
+def _laid_out_as(grad_w: Tensor, weight: Tensor) -> Tensor:
+    """grad_w with the weight's strides: the gradient layout contract that AccumulateGrad and DDP's gradient buckets
+    expect (a channels_last weight, whose (C, 1, kh, kw) strides differ from a contiguous one's in the size-1 dim,
+    otherwise makes DDP warn and copy at every step)."""
+    if grad_w.stride() == weight.stride():
+        return grad_w
+    return torch.empty_like(weight, dtype=grad_w.dtype).copy_(grad_w)
+
+
 def _backward(ctx, grad: Tensor):
     x, weight = ctx.saved_tensors
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
         grad_x = dwconv2d_bwd_input(grad, weight, ctx.padding)
     if ctx.needs_input_grad[1]:
-        grad_w = dwconv2d_bwd_weight(grad, x, list(weight.shape[-2:]), ctx.padding)
+        grad_w = _laid_out_as(dwconv2d_bwd_weight(grad, x, list(weight.shape[-2:]), ctx.padding), weight)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         # fp16/bf16 sum in fp32, fp32/fp64 in their own precision
         grad_b = grad.sum((0, 2, 3), dtype=torch.promote_types(grad.dtype, torch.float32)).to(grad.dtype)
