@@ -55,8 +55,11 @@ def test_weight_gradient_keeps_the_weights_layout():
     assert w_cl.stride() != w.stride()  # (C, 1, kh, kw): the strides differ in the size-1 dim
     dwconv2d(x, w_cl, b).sum().backward()
     dwconv2d(x, w, b).sum().backward()
-    assert w_cl.grad.stride() == w_cl.stride() and w.grad.stride() == w.stride()
+    w_t = w.detach().transpose(2, 3).contiguous().transpose(2, 3).requires_grad_()  # column-major taps: a copy
+    dwconv2d(x, w_t, b).sum().backward()
+    assert w_cl.grad.stride() == w_cl.stride() and w.grad.stride() == w.stride() and w_t.grad.stride() == w_t.stride()
     torch.testing.assert_close(w_cl.grad, w.grad)
+    torch.testing.assert_close(w_t.grad, w.grad)
 
 
 def test_opcheck_cpu():

@@ -168,6 +168,8 @@ def _laid_out_as(grad_w: Tensor, weight: Tensor) -> Tensor:
     otherwise makes DDP warn and copy at every step)."""
     if grad_w.stride() == weight.stride():
         return grad_w
+    if all(n == 1 or a == b for n, a, b in zip(weight.shape, grad_w.stride(), weight.stride())):
+        return grad_w.as_strided(weight.shape, weight.stride())  # the same elements: only size-1 dims differ
     return torch.empty_like(weight, dtype=grad_w.dtype).copy_(grad_w)
 
 
