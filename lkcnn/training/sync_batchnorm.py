@@ -40,13 +40,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             return super().forward(input)
         self._check_input_dim(input)
         try:
-            build.load()
+            out = sync_batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                  self.momentum, group)
         except build.BuildError as err:
             warnings.warn(f"lkcnn SyncBatchNorm falls back to torch.nn.SyncBatchNorm (slower): {err}", stacklevel=2)
             return super().forward(input)
         self.num_batches_tracked.add_(1)
-        return sync_batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
-                               self.momentum, group)
+        return out
 
 
 class SyncBatchNormPlugin(TorchSyncBatchNorm):
