@@ -35,7 +35,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir))
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    return trainer.validate(module, datamodule=datamodule, ckpt_path=best or None)[0]
+    # trainer.limit_val_batches=0 (a training-speed run) validates nothing: no metrics, not an error
+    results = trainer.validate(module, datamodule=datamodule, ckpt_path=best or None)
+    return results[0] if results else {}
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -107,6 +107,13 @@ def test_default_run_shortened_learns_and_checkpoints_carry_the_contract(tmp_pat
     assert restored.hydra_config == ckpt["hydra_config"]
 
 
+def test_run_without_validation_trains_and_returns_no_metrics(tmp_path):
+    """limit_val_batches=0 (the throughput benchmark's setting) ended in an IndexError after training."""
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "trainer.max_steps=2", "trainer.limit_val_batches=0")
+    assert train_app.train(cfg) == {}
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_optimizer_groups_lr_scaling_and_per_iteration_schedule(tmp_path):
     batch, base = random.choice([4, 8]), random.choice([256, 512, 2048])
     cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), f"data.batch_size={batch}", "data.num_train=24",
