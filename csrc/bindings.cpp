@@ -48,13 +48,16 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == x.size(1) && b.device() == x.device(),
                 "lkcnn dwconv2d forward: bias must be a contiguous fp32 (C,) tensor on the input's device");
   }
-  if (x.scalar_type() == at::kFloat) launch_dwconv_fwd(x, w, b, y, ph, pw);
+  if (small_map_fits(x, w.size(2))) launch_dwconv_fwd_small(x, w, b, y, ph, pw);
+  else if (x.scalar_type() == at::kFloat) launch_dwconv_fwd(x, w, b, y, ph, pw);
   else launch_dwconv_fwd_tc(x, w, b, y, ph, pw);
 }
 
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64_t ph, int64_t pw) {
   check_pair(grad_out, x, "lkcnn dwconv2d weight gradient");
   check_kernel(dw, x.size(1), ph, pw, "lkcnn dwconv2d weight gradient");
+  if (small_map_fits(x, dw.size(2)))
+    return launch_dwconv_wgrad_small(grad_out, x, dw, ph, pw);
   TORCH_CHECK(wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
               "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
   if (x.scalar_type() == at::kFloat) launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
@@ -72,6 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_out"), py::arg("x"), py::arg("dw"), py::arg("ph"), py::arg("pw"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
+  m.def("small_map", &lkcnn::small_map_fits, "whether x (N, C, H, W) with a kernel kw wide runs on the whole-map "
+        "kernels", py::arg("x"), py::arg("kw"));
   m.def("sync_batch_norm", &lkcnn::sync_batch_norm,
         "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),

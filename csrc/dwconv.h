@@ -1,7 +1,8 @@
 // Large-kernel depthwise convolution (stride 1, odd kernels, "same" padding): shared declarations.
 //
 // fp32 runs on SIMT kernels (tiles staged in shared memory, FMA pipes); fp16 and bf16 run on tensor-core kernels
-// (compute capability 8.0+, band_mma.cuh). All accumulate in fp32. Tensors are addressed through explicit strides,
+// (compute capability 8.0+, band_mma.cuh); small maps that the kernel mostly covers run on whole-map kernels on
+// the FMA pipes (dwconv_small.cu). All accumulate in fp32. Tensors are addressed through explicit strides,
 // so NCHW, channels_last and other non-contiguous layouts run without a copy.
 #pragma once
 
@@ -45,6 +46,14 @@ void launch_dwconv_fwd_tc(const at::Tensor& x, const at::Tensor& w, const at::Te
 void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph, int64_t pw);
 void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                             int64_t pw);
+
+// Maps of at most 16 x 16 (fp16/bf16: 16 x 8) whose rows the kernel mostly covers, batches of at least 16: all three
+// passes on dwconv_small.cu's whole-map kernels, which skip no column pairs but visit no padded rows.
+bool small_map_fits(const at::Tensor& t, int64_t kw);
+void launch_dwconv_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                             int64_t ph, int64_t pw);
+void launch_dwconv_wgrad_small(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
+                               int64_t pw);
 
 // Whether the weight-gradient tile for maps of width W fits in shared memory (the forward always fits for k <= 63).
 bool wgrad_supported(int64_t W, int64_t kh, int64_t kw);

@@ -1,0 +1,268 @@
+// Small maps (up to 16 x 16) whose kernel reaches most of the map, as in RepLKNet's last stages (14x14 with 27x27,
+// 7x7 with 13x13): all three passes on the FMA pipes, without the padded rows (fp32; fp16/bf16 up to 8 columns).
+//
+// On such a map the banded kernels spend most of their work on padding (a 27x27 kernel over a 14x14 map is 27%
+// in-bounds taps). Here one block takes one channel of 32 samples, one sample per lane, and works on whole map rows
+// held in registers: every (input column, output column) pair of an MW-wide row (MW = 8 or 16, the map's width
+// rounded up) meets the kernel row through E, the channel's kernel re-indexed by offset (E[a][b] = w[a - (H-1) + ph]
+// [b - (MW-1) + pw], zero outside the kernel). Rows are visited only where the kernel reaches; columns are not
+// skipped, so callers send a map here only where most column pairs are taps (small_map_fits). All lanes of a warp run
+// the same loop (lanes differ only in the sample), and E is read with broadcast loads.
+//
+// Forward and input gradient (flipped kernel, as for the other forward kernels): warp w owns output rows 2w, 2w+1
+// in 2 x MW fp32 accumulators. Weight gradient: warp w accumulates kernel rows w, w + warps, ... (in E's offsets)
+// over its lanes' samples, reduces them across lanes and adds them to dw (one atomic per tap and block).
+#include "dwconv.h"
+#include "tile.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace lkcnn {
+namespace {
+
+constexpr int kLanes = 32;    // samples per block
+constexpr int kRows = 2;      // output rows per forward thread
+constexpr int kMaxSide = 16;
+
+// Staged samples are H x MW floats apart plus 4: an odd number of 16-byte groups, so the 8 lanes of a quarter-warp
+// reading 16 bytes each at the same offset of their samples hit distinct bank groups.
+__host__ __device__ constexpr int sample_stride(int H, int MW) { return H * MW + 4; }
+
+// Stage kLanes samples (from n0) of channel c as fp32 [sample][row][MW columns], zeros past the map and the batch.
+template <int MW, typename T>
+__device__ __forceinline__ void stage_samples(float* __restrict__ dst, const T* __restrict__ src, int64_t n0, int64_t c,
+                                              const ConvGeom& g, int64_t s_n, int64_t s_c, int64_t s_h, int64_t s_w) {
+  const int ss = sample_stride(g.H, MW);
+  const int64_t nn = g.N - n0;
+  const T* base = src + n0 * s_n + c * s_c;
+  box_loop<8>(kLanes, g.H, MW, threadIdx.x, blockDim.x,
+              [&](int z, int r, int col) {
+                return z < nn && col < g.W ? static_cast<float>(base[z * s_n + r * s_h + col * s_w]) : 0.f;
+              },
+              [&](int z, int r, int col, float v) { dst[z * ss + r * MW + col] = v; });
+}
+
+template <typename T, int MW>
+__global__ void __launch_bounds__(256) dwconv_fwd_small_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                                                              const float* __restrict__ bias, T* __restrict__ y,
+                                                              const ConvGeom g) {
+  extern __shared__ __align__(16) float smem[];
+  constexpr int EW = 2 * MW;  // E's row: offsets b = 0 .. 2MW-2, one zero column for 16-byte loads
+  const int H = g.H, ss = sample_stride(H, MW);
+  float* sx = smem;                // kLanes samples; later the outputs
+  float* se = smem + kLanes * ss;  // E: 2H - 1 rows
+  const int64_t c = blockIdx.x % g.C, n0 = int64_t(blockIdx.x / g.C) * kLanes;
+  const int tid = threadIdx.x, lane = tid % 32, p0 = tid / 32 * kRows;
+
+  stage_samples<MW>(sx, x, n0, c, g, g.xs_n, g.xs_c, g.xs_h, g.xs_w);
+  for (int i = tid; i < (2 * H - 1) * EW; i += blockDim.x) {
+    const int kr = i / EW - (H - 1) + g.ph, kc = i % EW - (MW - 1) + g.pw;
+    se[i] = i % EW < EW - 1 && kr >= 0 && kr < g.kh && kc >= 0 && kc < g.kw ? w[(c * g.kh + kr) * g.kw + kc] : 0.f;
+  }
+  __syncthreads();
+
+  float acc[kRows][MW];
+#pragma unroll
+  for (int u = 0; u < kRows; ++u)
+#pragma unroll
+    for (int q = 0; q < MW; ++q) acc[u][q] = 0.f;
+  const float* xs = sx + lane * ss;
+  // input rows within the kernel's reach of output rows p0 .. p0 + kRows - 1
+  const int ir_end = min(H, p0 + kRows + g.ph);
+  for (int ir = max(0, p0 - g.ph); ir < ir_end; ++ir) {
+    float xr[MW];
+#pragma unroll
+    for (int j = 0; j < MW; j += 4) load4(xr + j, xs + ir * MW + j);
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int d = ir - (p0 + u);  // the same for the whole warp
+      if (p0 + u >= H || d < -g.ph || d > g.ph) continue;
+      float e[EW];
+#pragma unroll
+      for (int j = 0; j < EW; j += 4) load4(e + j, se + (d + H - 1) * EW + j);
+#pragma unroll
+      for (int ic = 0; ic < MW; ++ic)
+#pragma unroll
+        for (int q = 0; q < MW; ++q) acc[u][q] = fmaf(xr[ic], e[ic - q + MW - 1], acc[u][q]);
+    }
+  }
+
+  __syncthreads();  // every warp is done reading the samples: their space takes the outputs
+  float* ys = sx + lane * ss;
+#pragma unroll
+  for (int u = 0; u < kRows; ++u)
+    if (p0 + u < H)
+#pragma unroll
+      for (int q = 0; q < MW; q += 4)
+        *reinterpret_cast<float4*>(ys + (p0 + u) * MW + q) = make_float4(acc[u][q], acc[u][q + 1], acc[u][q + 2],
+                                                                          acc[u][q + 3]);
+  __syncthreads();
+  const float bv = bias != nullptr ? bias[c] : 0.f;
+  T* out = y + n0 * g.ys_n + c * g.ys_c;
+  const int nn = int(min(int64_t(kLanes), g.N - n0));
+  box_loop<8>(nn, H, g.W, tid, blockDim.x, [&](int z, int r, int col) { return sx[z * ss + r * MW + col]; },
+              [&](int z, int r, int col, float v) { out[z * g.ys_n + r * g.ys_h + col * g.ys_w] = T(v + bv); });
+}
+
+// One step of reduce_scatter: lanes with bit h set keep (and receive) the upper h of the first 2h values, the
+// others the lower h. Recursive on h so that every index is a compile-time constant (v stays in registers).
+template <int h, int N>
+__device__ __forceinline__ void reduce_scatter_step(float (&v)[N], int lane) {
+  if constexpr (h >= 1) {
+    const bool upper = lane & h;
+#pragma unroll
+    for (int i = 0; i < h; ++i) {
+      const float send = upper ? v[i] : v[i + h];
+      v[i] = (upper ? v[i + h] : v[i]) + __shfl_xor_sync(0xffffffffu, send, h);
+    }
+    reduce_scatter_step<h / 2>(v, lane);
+  }
+}
+
+// v[i] summed over the warp's lanes, lane l ending with the sum of v[l % N] (N a power of two up to 32): N - 1
+// shuffles for N values, not N * log2(32).
+template <int N>
+__device__ __forceinline__ float reduce_scatter(float (&v)[N], int lane) {
+  reduce_scatter_step<N / 2>(v, lane);
+  float s = v[0];
+#pragma unroll
+  for (int h = N; h < 32; h *= 2) s += __shfl_xor_sync(0xffffffffu, s, h);
+  return s;
+}
+
+// g: grad_out read through xs_*, x through ys_* (make_geom(grad_out, x, ...)).
+template <typename T, int MW>
+__global__ void __launch_bounds__(256) dwconv_wgrad_small_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                                float* __restrict__ dw, const ConvGeom g) {
+  extern __shared__ __align__(16) float smem[];
+  constexpr int EW = 2 * MW;
+  const int H = g.H, ss = sample_stride(H, MW);
+  float* sdy = smem;
+  float* sx = smem + kLanes * ss;
+  const int64_t c = blockIdx.x % g.C, n0 = int64_t(blockIdx.x / g.C) * kLanes;
+  const int tid = threadIdx.x, lane = tid % 32, warps = blockDim.x / 32;
+
+  stage_samples<MW>(sdy, dy, n0, c, g, g.xs_n, g.xs_c, g.xs_h, g.xs_w);
+  stage_samples<MW>(sx, x, n0, c, g, g.ys_n, g.ys_c, g.ys_h, g.ys_w);
+  __syncthreads();
+
+  const float* dys = sdy + lane * ss;
+  const float* xs = sx + lane * ss;
+  // row offsets d = (input row) - (output row) that are kernel rows: |d| <= ph, and |d| <= H - 1
+  const int d_lo = -min(g.ph, H - 1), d_hi = min(g.ph, H - 1);
+  for (int d = d_lo + tid / 32; d <= d_hi; d += warps) {
+    float acc[EW];  // acc[b]: the tap at column offset b - (MW - 1); the last one stays zero
+#pragma unroll
+    for (int b = 0; b < EW; ++b) acc[b] = 0.f;
+    const int pr_end = min(H, H - d);
+    for (int pr = max(0, -d); pr < pr_end; ++pr) {
+      float gr[MW], xr[MW];
+#pragma unroll
+      for (int j = 0; j < MW; j += 4) {
+        load4(gr + j, dys + pr * MW + j);
+        load4(xr + j, xs + (pr + d) * MW + j);
+      }
+#pragma unroll
+      for (int ic = 0; ic < MW; ++ic)
+#pragma unroll
+        for (int q = 0; q < MW; ++q) acc[ic - q + MW - 1] = fmaf(gr[q], xr[ic], acc[ic - q + MW - 1]);
+    }
+    const float s = reduce_scatter(acc, lane);
+    const int kc = lane % EW - (MW - 1) + g.pw;
+    if (lane < EW - 1 && kc >= 0 && kc < g.kw) atomicAdd(dw + (c * g.kh + d + g.ph) * g.kw + kc, s);
+  }
+}
+
+template <int MW>
+int fwd_smem(int H) { return int(sizeof(float)) * (kLanes * sample_stride(H, MW) + (2 * H - 1) * 2 * MW); }
+template <int MW>
+int wgrad_smem(int H) { return int(sizeof(float)) * 2 * kLanes * sample_stride(H, MW); }
+
+int64_t blocks_for(const ConvGeom& g) {
+  const int64_t blocks = (g.N + kLanes - 1) / kLanes * g.C;
+  TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
+  return blocks;
+}
+
+template <typename T, int MW>
+void run_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                   const ConvGeom& g) {
+  const int smem = fwd_smem<MW>(g.H);
+  auto kernel = dwconv_fwd_small_kernel<T, MW>;
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<unsigned(blocks_for(g)), 32 * ceil_div(g.H, kRows), smem, at::cuda::getCurrentCUDAStream()>>>(
+      x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+      y.mutable_data_ptr<T>(), g);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int MW>
+void run_wgrad_small(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
+  const int smem = wgrad_smem<MW>(g.H);
+  auto kernel = dwconv_wgrad_small_kernel<T, MW>;
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int rows = 2 * std::min(g.ph, g.H - 1) + 1;  // kernel rows that meet the map
+  kernel<<<unsigned(blocks_for(g)), 32 * std::min(rows, 8), smem, at::cuda::getCurrentCUDAStream()>>>(
+      dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// f.template run<T, MW>() for the tensor's dtype and the map's width (fp16/bf16 only up to 8 wide: small_map_fits).
+template <typename F>
+void dispatch(const at::Tensor& t, int W, const F& f) {
+  const auto dtype = t.scalar_type();
+  if (dtype == at::kFloat) return W <= 8 ? f.template run<float, 8>() : f.template run<float, 16>();
+  if (dtype == at::kHalf) return f.template run<c10::Half, 8>();
+  return f.template run<c10::BFloat16, 8>();
+}
+
+struct FwdCall {
+  const at::Tensor &x, &w, &bias;
+  at::Tensor& y;
+  const ConvGeom& g;
+  template <typename T, int MW>
+  void run() const { run_fwd_small<T, MW>(x, w, bias, y, g); }
+};
+
+struct WgradCall {
+  const at::Tensor &dy, &x;
+  at::Tensor& dw;
+  const ConvGeom& g;
+  template <typename T, int MW>
+  void run() const { run_wgrad_small<T, MW>(dy, x, dw, g); }
+};
+
+}  // namespace
+
+bool small_map_fits(const at::Tensor& t, int64_t kw) {
+  const int64_t N = t.size(0), H = t.size(2), W = t.size(3);
+  // At least half the lanes busy, and at least half of the MW x MW column pairs taps of the kernel. fp16/bf16 only
+  // up to 8 columns: at 14x14 the tensor-core kernels measured faster (s3 bf16 total 0.44 vs 0.52 ms; s4 at 7x7:
+  // 0.29 vs 0.15, docs/performance.md v13).
+  const bool fp32 = t.scalar_type() == at::kFloat;
+  if (N < kLanes / 2 || H > kMaxSide || W > (fp32 ? kMaxSide : 8) || H < 1 || W < 1) return false;
+  const int64_t mw = W <= 8 ? 8 : 16, pw = kw / 2;
+  int64_t taps = 0;
+  for (int64_t q = 0; q < W; ++q) taps += std::min(W - 1, q + pw) - std::max<int64_t>(0, q - pw) + 1;
+  return 2 * taps >= mw * mw;
+}
+
+void launch_dwconv_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                             int64_t ph, int64_t pw) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const ConvGeom g = make_geom(x, y, w.size(1), w.size(2), ph, pw);
+  if (g.N * g.C == 0) return;
+  dispatch(x, g.W, FwdCall{x, w, bias, y, g});
+}
+
+void launch_dwconv_wgrad_small(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
+                               int64_t pw) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const ConvGeom g = make_geom(grad_out, x, dw.size(1), dw.size(2), ph, pw);
+  if (g.N * g.C == 0) return;
+  dispatch(x, g.W, WgradCall{grad_out, x, dw, g});
+}
+
+}  // namespace lkcnn
