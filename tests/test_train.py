@@ -72,7 +72,7 @@ def test_speed_and_memory_options_train(tmp_path):
     cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "trainer.fast_dev_run=true", "trainer.precision=bf16-mixed",
                    "module.channels_last=true", "module.grad_checkpointing=true", "trainer.gradient_clip_val=1.0",
                    "data.mixup={mixup_alpha:0.8,cutmix_alpha:1.0}", "data.label_smoothing=0.1")
-    assert math.isfinite(train_app.train(cfg)["val/loss"])
+    assert math.isfinite(train_app.train(cfg)["val/loss"])  # clipping: AdamW unfused (Lightning refuses fused)
     module = instantiate(cfg.module)
     assert all(stage.grad_checkpointing for stage in module.model.stages)
     assert not any(p.requires_grad for p in module.model_ema.parameters())  # DDP would call them unused
@@ -128,6 +128,7 @@ def test_optimizer_groups_lr_scaling_and_per_iteration_schedule(tmp_path):
     optimizer = trainer.optimizers[0]
     peak = cfg.optim.optimizer.lr * batch / base
     assert all(group["initial_lr"] == pytest.approx(peak) for group in optimizer.param_groups)
+    assert optimizer.defaults["fused"]  # conf/optim/adamw.yaml's default (unfused only with gradient clipping)
     for group in optimizer.param_groups:  # timm: no weight decay on 1-D params (BN, biases)
         assert all(p.ndim <= 1 for p in group["params"]) == (group["weight_decay"] == 0)
     scales = sorted({g["lr_scale"] for g in optimizer.param_groups})

@@ -14,16 +14,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 import torch.nn.functional as F
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
-from timm.utils import ModelEmaV3
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from .ema import ModelEma
 from .errors import ConfigError
 from .model_factory import build_model
 from .seeding import reseed_globals
@@ -41,7 +42,8 @@ class ClassificationModule(L.LightningModule):
             `lr_base_batch` when that is set, else as is) and `scheduler` (create_scheduler_v2 kwargs), stepped
             every iteration.
         conv_impl: large-kernel conv implementation (auto|cuda|torch), exported as LKCNN_CONV_IMPL.
-        ema: timm ModelEmaV3 kwargs (decay, use_warmup, ...) or None; the EMA weights are validated too.
+        ema: timm ModelEmaV3 kwargs (decay, use_warmup, ...) for lkcnn.training.ema.ModelEma, or None; the EMA
+            weights are validated too.
         seed: run seed; every epoch re-seeds torch/numpy/random from (seed, epoch, rank) so resumes repeat.
         channels_last, compile, grad_checkpointing: speed/memory options.
 
@@ -61,7 +63,7 @@ class ClassificationModule(L.LightningModule):
             self.model.set_grad_checkpointing(True)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.model.to(memory_format=self.memory_format)
-        self.model_ema = ModelEmaV3(self.model, **ema) if ema else None
+        self.model_ema = ModelEma(self.model, **ema) if ema else None
         if self.model_ema is not None:  # its deep copy still requires grad, which DDP reports as unused parameters
             self.model_ema.requires_grad_(False)
         if compile:
@@ -110,6 +112,11 @@ class ClassificationModule(L.LightningModule):
         optim = self.hparams.optim
         kwargs = dict(optim["optimizer"])
         kwargs["lr"] = self.scaled_lr(kwargs["lr"], optim.get("lr_base_batch"))
+        if kwargs.get("fused") and self.trainer.gradient_clip_val:
+            # Lightning's mixed-precision plugins refuse to clip the gradients of a fused optimizer (it unscales them
+            # itself); clipping wins over the fused kernel
+            rank_zero_info("gradient clipping is on: AdamW runs unfused (optim.optimizer.fused=false)")
+            kwargs["fused"] = False
         optimizer = create_optimizer_v2(self.model, **kwargs)
         epochs = self.trainer.max_epochs
         if not epochs or epochs < 1:
