@@ -3,7 +3,7 @@
 # (per-device batch 64) and the training loss of 1 GPU x 128 vs 2 GPUs x 64 (the same global batch) step by step,
 # then the all-reduce bus bandwidth between the GPUs (scripts/allreduce_bw.py).
 # Usage: bash scripts/ddp_check.sh [hydra overrides for every run, e.g. trainer.sync_batchnorm=false]
-#        RUNS="g1b64 g2b64" bash scripts/ddp_check.sh ...   (a subset of g1b64 g2b64 g1b128)
+#        RUNS="g1b64 g2b64" bash scripts/ddp_check.sh ...   (a subset of g1b64 g2b64 g1b128 g2b128)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
@@ -13,7 +13,7 @@ common=(model=replknet31b data=synthetic data.num_workers=6 "callbacks=[default,
         callbacks.throughput.warmup_batches=10 trainer=ddp trainer.max_steps=30 trainer.limit_val_batches=2
         trainer.log_every_n_steps=1)
 declare -A setup=([g1b64]="trainer.devices=1 data.batch_size=64" [g2b64]="trainer.devices=2 data.batch_size=64"
-                   [g1b128]="trainer.devices=1 data.batch_size=128")
+                   [g1b128]="trainer.devices=1 data.batch_size=128" [g2b128]="trainer.devices=2 data.batch_size=128")
 for name in ${RUNS:-g1b64 g2b64 g1b128}; do
   # shellcheck disable=SC2086
   python3 train.py "${common[@]}" ${setup[$name]} hydra.run.dir="$OUT/$name" "$@" >"$OUT/$name.log" 2>&1 \
@@ -23,7 +23,7 @@ python3 - "$OUT" <<'PY'
 import csv, json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for run in ("g1b64", "g2b64", "g1b128"):
+for run in ("g1b64", "g2b64", "g1b128", "g2b128"):
     tp = next((out / run).rglob("throughput.json"), None)
     print(run, "throughput:", json.loads(tp.read_text()) if tp else "missing")
 def losses(run):

@@ -4,7 +4,7 @@ Why not ModelEmaV3 as is: its update walks both networks' state_dict() at every 
 with a kernel of its own; on RepLKNet-31B that is host time a GPU step waits for (docs/performance.md, "The
 training app's step"). Here the (EMA, network) tensor pairs are gathered on the first update and again whenever
 either network's tensors were replaced (a device or dtype move replaces buffers); the arithmetic stays timm's
-(`_foreach_lerp_`, with its dtype handling and stochastic rounding).
+(its `_foreach_lerp_` where the installed timm has it, with its dtype handling and stochastic rounding).
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class ModelEma(ModelEmaV3):
         if self._pairs is None or self._pairs[0] is not model or self._pairs[1] != key:
             self._pairs = (model, key, *self._gather(model))
         _, _, ema_f, model_f, ema_rest, model_rest = self._pairs
-        self._foreach_lerp_(ema_f, model_f, weight=1.0 - decay)
+        lerp = getattr(self, "_foreach_lerp_", None)  # newer timm: mixed dtypes, stochastic rounding
+        (lerp or torch._foreach_lerp_)(ema_f, model_f, weight=1.0 - decay)
         if ema_rest:
             torch._foreach_copy_(ema_rest, model_rest)
