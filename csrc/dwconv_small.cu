@@ -3,8 +3,8 @@
 //
 // On such a map the banded kernels spend most of their work on padding (a 27x27 kernel over a 14x14 map is 27%
 // in-bounds taps). Here one block takes one channel of 32 samples, one sample per lane, and works on whole map rows
-// held in registers: every (input column, output column) pair of an MW-wide row (MW = 8 or 16, the map's width
-// rounded up) meets the kernel row through E, the channel's kernel re-indexed by offset (E[a][b] = w[a - (H-1) + ph]
+// held in registers: every (input column, output column) pair of an MW-wide row (MW = 7, 8, 14 or 16: the map's
+// width rounded up to one of these, exact for the 7 and 14 of 224-px inputs) meets the kernel row through E, the channel's kernel re-indexed by offset (E[a][b] = w[a - (H-1) + ph]
 // [b - (MW-1) + pw], zero outside the kernel). Rows are visited only where the kernel reaches; columns are not
 // skipped, so callers send a map here only where most column pairs are taps (small_map_fits). All lanes of a warp run
 // the same loop (lanes differ only in the sample), and E is read with broadcast loads.
@@ -26,22 +26,34 @@ constexpr int kLanes = 32;    // samples per block
 constexpr int kRows = 2;      // output rows per forward thread
 constexpr int kMaxSide = 16;
 
-// Staged samples are H x MW floats apart plus 4: an odd number of 16-byte groups, so the 8 lanes of a quarter-warp
-// reading 16 bytes each at the same offset of their samples hit distinct bank groups.
-__host__ __device__ constexpr int sample_stride(int H, int MW) { return H * MW + 4; }
+// Columns of a kernel computing MW of them: staged rows of LD floats (16-byte loads), rows of E read as ER floats
+// (offsets 0 .. 2MW-2) and EW apart, EW a power of two for the weight gradient's reduce-scatter.
+template <int MW>
+struct Cols {
+  static constexpr int LD = (MW + 3) / 4 * 4;
+  static constexpr int ER = (2 * MW - 1 + 3) / 4 * 4;
+  static constexpr int EW = ER <= 16 ? 16 : 32;
+};
 
-// Stage kLanes samples (from n0) of channel c as fp32 [sample][row][MW columns], zeros past the map and the batch.
-template <int MW, typename T>
+// The MW that maps W wide run with.
+int map_cols(int64_t W) { return W <= 7 ? 7 : W <= 8 ? 8 : W <= 14 ? 14 : 16; }
+
+// Staged samples are H x LD floats apart plus 4: an odd number of 16-byte groups, so the 8 lanes of a quarter-warp
+// reading 16 bytes each at the same offset of their samples hit distinct bank groups.
+__host__ __device__ constexpr int sample_stride(int H, int LD) { return H * LD + 4; }
+
+// Stage kLanes samples (from n0) of channel c as fp32 [sample][row][LD columns], zeros past the map and the batch.
+template <int LD, typename T>
 __device__ __forceinline__ void stage_samples(float* __restrict__ dst, const T* __restrict__ src, int64_t n0, int64_t c,
                                               const ConvGeom& g, int64_t s_n, int64_t s_c, int64_t s_h, int64_t s_w) {
-  const int ss = sample_stride(g.H, MW);
+  const int ss = sample_stride(g.H, LD);
   const int64_t nn = g.N - n0;
   const T* base = src + n0 * s_n + c * s_c;
-  box_loop<8>(kLanes, g.H, MW, threadIdx.x, blockDim.x,
+  box_loop<8>(kLanes, g.H, LD, threadIdx.x, blockDim.x,
               [&](int z, int r, int col) {
                 return z < nn && col < g.W ? static_cast<float>(base[z * s_n + r * s_h + col * s_w]) : 0.f;
               },
-              [&](int z, int r, int col, float v) { dst[z * ss + r * MW + col] = v; });
+              [&](int z, int r, int col, float v) { dst[z * ss + r * LD + col] = v; });
 }
 
 template <typename T, int MW>
@@ -49,39 +61,39 @@ __global__ void __launch_bounds__(256) dwconv_fwd_small_kernel(const T* __restri
                                                               const float* __restrict__ bias, T* __restrict__ y,
                                                               const ConvGeom g) {
   extern __shared__ __align__(16) float smem[];
-  constexpr int EW = 2 * MW;  // E's row: offsets b = 0 .. 2MW-2, one zero column for 16-byte loads
-  const int H = g.H, ss = sample_stride(H, MW);
+  constexpr int LD = Cols<MW>::LD, ER = Cols<MW>::ER, EW = Cols<MW>::EW;
+  const int H = g.H, ss = sample_stride(H, LD);
   float* sx = smem;                // kLanes samples; later the outputs
   float* se = smem + kLanes * ss;  // E: 2H - 1 rows
   const int64_t c = blockIdx.x % g.C, n0 = int64_t(blockIdx.x / g.C) * kLanes;
   const int tid = threadIdx.x, lane = tid % 32, p0 = tid / 32 * kRows;
 
-  stage_samples<MW>(sx, x, n0, c, g, g.xs_n, g.xs_c, g.xs_h, g.xs_w);
+  stage_samples<LD>(sx, x, n0, c, g, g.xs_n, g.xs_c, g.xs_h, g.xs_w);
   for (int i = tid; i < (2 * H - 1) * EW; i += blockDim.x) {
     const int kr = i / EW - (H - 1) + g.ph, kc = i % EW - (MW - 1) + g.pw;
-    se[i] = i % EW < EW - 1 && kr >= 0 && kr < g.kh && kc >= 0 && kc < g.kw ? w[(c * g.kh + kr) * g.kw + kc] : 0.f;
+    se[i] = i % EW < 2 * MW - 1 && kr >= 0 && kr < g.kh && kc >= 0 && kc < g.kw ? w[(c * g.kh + kr) * g.kw + kc] : 0.f;
   }
   __syncthreads();
 
-  float acc[kRows][MW];
+  float acc[kRows][LD];  // columns MW .. LD-1 stay zero
 #pragma unroll
   for (int u = 0; u < kRows; ++u)
 #pragma unroll
-    for (int q = 0; q < MW; ++q) acc[u][q] = 0.f;
+    for (int q = 0; q < LD; ++q) acc[u][q] = 0.f;
   const float* xs = sx + lane * ss;
   // input rows within the kernel's reach of output rows p0 .. p0 + kRows - 1
   const int ir_end = min(H, p0 + kRows + g.ph);
   for (int ir = max(0, p0 - g.ph); ir < ir_end; ++ir) {
-    float xr[MW];
+    float xr[LD];
 #pragma unroll
-    for (int j = 0; j < MW; j += 4) load4(xr + j, xs + ir * MW + j);
+    for (int j = 0; j < LD; j += 4) load4(xr + j, xs + ir * LD + j);
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
       const int d = ir - (p0 + u);  // the same for the whole warp
       if (p0 + u >= H || d < -g.ph || d > g.ph) continue;
-      float e[EW];
+      float e[ER];
 #pragma unroll
-      for (int j = 0; j < EW; j += 4) load4(e + j, se + (d + H - 1) * EW + j);
+      for (int j = 0; j < ER; j += 4) load4(e + j, se + (d + H - 1) * EW + j);
 #pragma unroll
       for (int ic = 0; ic < MW; ++ic)
 #pragma unroll
@@ -95,14 +107,14 @@ __global__ void __launch_bounds__(256) dwconv_fwd_small_kernel(const T* __restri
   for (int u = 0; u < kRows; ++u)
     if (p0 + u < H)
 #pragma unroll
-      for (int q = 0; q < MW; q += 4)
-        *reinterpret_cast<float4*>(ys + (p0 + u) * MW + q) = make_float4(acc[u][q], acc[u][q + 1], acc[u][q + 2],
+      for (int q = 0; q < LD; q += 4)
+        *reinterpret_cast<float4*>(ys + (p0 + u) * LD + q) = make_float4(acc[u][q], acc[u][q + 1], acc[u][q + 2],
                                                                           acc[u][q + 3]);
   __syncthreads();
   const float bv = bias != nullptr ? bias[c] : 0.f;
   T* out = y + n0 * g.ys_n + c * g.ys_c;
   const int nn = int(min(int64_t(kLanes), g.N - n0));
-  box_loop<8>(nn, H, g.W, tid, blockDim.x, [&](int z, int r, int col) { return sx[z * ss + r * MW + col]; },
+  box_loop<8>(nn, H, g.W, tid, blockDim.x, [&](int z, int r, int col) { return sx[z * ss + r * LD + col]; },
               [&](int z, int r, int col, float v) { out[z * g.ys_n + r * g.ys_h + col * g.ys_w] = T(v + bv); });
 }
 
@@ -137,15 +149,15 @@ template <typename T, int MW>
 __global__ void __launch_bounds__(256) dwconv_wgrad_small_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                                 float* __restrict__ dw, const ConvGeom g) {
   extern __shared__ __align__(16) float smem[];
-  constexpr int EW = 2 * MW;
-  const int H = g.H, ss = sample_stride(H, MW);
+  constexpr int LD = Cols<MW>::LD, EW = Cols<MW>::EW;
+  const int H = g.H, ss = sample_stride(H, LD);
   float* sdy = smem;
   float* sx = smem + kLanes * ss;
   const int64_t c = blockIdx.x % g.C, n0 = int64_t(blockIdx.x / g.C) * kLanes;
   const int tid = threadIdx.x, lane = tid % 32, warps = blockDim.x / 32;
 
-  stage_samples<MW>(sdy, dy, n0, c, g, g.xs_n, g.xs_c, g.xs_h, g.xs_w);
-  stage_samples<MW>(sx, x, n0, c, g, g.ys_n, g.ys_c, g.ys_h, g.ys_w);
+  stage_samples<LD>(sdy, dy, n0, c, g, g.xs_n, g.xs_c, g.xs_h, g.xs_w);
+  stage_samples<LD>(sx, x, n0, c, g, g.ys_n, g.ys_c, g.ys_h, g.ys_w);
   __syncthreads();
 
   const float* dys = sdy + lane * ss;
@@ -153,16 +165,16 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_small_kernel(const T* __rest
   // row offsets d = (input row) - (output row) that are kernel rows: |d| <= ph, and |d| <= H - 1
   const int d_lo = -min(g.ph, H - 1), d_hi = min(g.ph, H - 1);
   for (int d = d_lo + tid / 32; d <= d_hi; d += warps) {
-    float acc[EW];  // acc[b]: the tap at column offset b - (MW - 1); the last one stays zero
+    float acc[EW];  // acc[b]: the tap at column offset b - (MW - 1); those from 2MW - 1 on stay zero
 #pragma unroll
     for (int b = 0; b < EW; ++b) acc[b] = 0.f;
     const int pr_end = min(H, H - d);
     for (int pr = max(0, -d); pr < pr_end; ++pr) {
-      float gr[MW], xr[MW];
+      float gr[LD], xr[LD];
 #pragma unroll
-      for (int j = 0; j < MW; j += 4) {
-        load4(gr + j, dys + pr * MW + j);
-        load4(xr + j, xs + (pr + d) * MW + j);
+      for (int j = 0; j < LD; j += 4) {
+        load4(gr + j, dys + pr * LD + j);
+        load4(xr + j, xs + (pr + d) * LD + j);
       }
 #pragma unroll
       for (int ic = 0; ic < MW; ++ic)
@@ -171,14 +183,16 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_small_kernel(const T* __rest
     }
     const float s = reduce_scatter(acc, lane);
     const int kc = lane % EW - (MW - 1) + g.pw;
-    if (lane < EW - 1 && kc >= 0 && kc < g.kw) atomicAdd(dw + (c * g.kh + d + g.ph) * g.kw + kc, s);
+    if (lane < 2 * MW - 1 && kc >= 0 && kc < g.kw) atomicAdd(dw + (c * g.kh + d + g.ph) * g.kw + kc, s);
   }
 }
 
 template <int MW>
-int fwd_smem(int H) { return int(sizeof(float)) * (kLanes * sample_stride(H, MW) + (2 * H - 1) * 2 * MW); }
+int fwd_smem(int H) {
+  return int(sizeof(float)) * (kLanes * sample_stride(H, Cols<MW>::LD) + (2 * H - 1) * Cols<MW>::EW);
+}
 template <int MW>
-int wgrad_smem(int H) { return int(sizeof(float)) * 2 * kLanes * sample_stride(H, MW); }
+int wgrad_smem(int H) { return int(sizeof(float)) * 2 * kLanes * sample_stride(H, Cols<MW>::LD); }
 
 int64_t blocks_for(const ConvGeom& g) {
   const int64_t blocks = (g.N + kLanes - 1) / kLanes * g.C;
@@ -209,13 +223,21 @@ void run_wgrad_small(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// f.template run<T, MW>() for the tensor's dtype and the map's width (fp16/bf16 only up to 8 wide: small_map_fits).
+// f.template run<T, MW>() for the tensor's dtype and MW = map_cols(W) (fp16/bf16 only up to 8 wide: small_map_fits).
 template <typename F>
 void dispatch(const at::Tensor& t, int W, const F& f) {
   const auto dtype = t.scalar_type();
-  if (dtype == at::kFloat) return W <= 8 ? f.template run<float, 8>() : f.template run<float, 16>();
-  if (dtype == at::kHalf) return f.template run<c10::Half, 8>();
-  return f.template run<c10::BFloat16, 8>();
+  const int mw = map_cols(W);
+  if (dtype == at::kFloat) {
+    switch (mw) {
+      case 7: return f.template run<float, 7>();
+      case 8: return f.template run<float, 8>();
+      case 14: return f.template run<float, 14>();
+      default: return f.template run<float, 16>();
+    }
+  }
+  if (dtype == at::kHalf) return mw == 7 ? f.template run<c10::Half, 7>() : f.template run<c10::Half, 8>();
+  return mw == 7 ? f.template run<c10::BFloat16, 7>() : f.template run<c10::BFloat16, 8>();
 }
 
 struct FwdCall {
@@ -243,7 +265,7 @@ bool small_map_fits(const at::Tensor& t, int64_t kw) {
   // 0.29 vs 0.15, docs/performance.md v13).
   const bool fp32 = t.scalar_type() == at::kFloat;
   if (N < kLanes / 2 || H > kMaxSide || W > (fp32 ? kMaxSide : 8) || H < 1 || W < 1) return false;
-  const int64_t mw = W <= 8 ? 8 : 16, pw = kw / 2;
+  const int64_t mw = map_cols(W), pw = kw / 2;
   int64_t taps = 0;
   for (int64_t q = 0; q < W; ++q) taps += std::min(W - 1, q + pw) - std::max<int64_t>(0, q - pw) + 1;
   return 2 * taps >= mw * mw;

@@ -2,13 +2,14 @@
 PyTorch's convolution vs the same net with 3x3 kernels: the numbers behind docs/performance.md's end-to-end table.
 (The Hydra/Lightning route is `python train.py model=replknet31b data=synthetic ...`; this script needs neither.)
 
-    python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last] [--compile]
+    python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last] [--compile] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import time
 
 import timm
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (use --warmup 3 or more)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of all variants; medians are printed")
     parser.add_argument("--json", default="")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=["cuda", "auto", "torch", "cuda3", "torch3"],
                         help="comma list of cuda,auto,torch,cuda3,torch3 (default all)")
@@ -74,15 +76,22 @@ def main() -> None:
     unknown = set(args.runs) - set(variants)
     if unknown:
         parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(variants)}")
-    runs = {variants[k][0]: images_per_s(variants[k][1], **common, **variants[k][2]) for k in args.runs}
+    # rounds of all variants in turn: single runs of one variant spread by 20% and more between calls, so a ratio
+    # is read from medians of interleaved runs
+    samples: dict[str, list[float]] = {variants[k][0]: [] for k in args.runs}
+    for _ in range(args.repeat):
+        for k in args.runs:
+            samples[variants[k][0]].append(images_per_s(variants[k][1], **common, **variants[k][2]))
+    runs = {name: statistics.median(values) for name, values in samples.items()}
     mode = ("compiled, " if args.compile else "") + ("channels_last, " if args.channels_last else "")
     print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {mode}{torch.cuda.get_device_name()}")
     for name, ips in runs.items():
-        print(f"{name:40s} {ips:8.1f} img/s")
+        each = f"  (runs: {', '.join(f'{v:.1f}' for v in samples[name])})" if args.repeat > 1 else ""
+        print(f"{name:40s} {ips:8.1f} img/s{each}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "compile": args.compile,
-                       "channels_last": args.channels_last, "images_per_s": runs}, f, indent=1)
+                       "channels_last": args.channels_last, "images_per_s": runs, "runs": samples}, f, indent=1)
 
 
 if __name__ == "__main__":
