@@ -17,6 +17,8 @@ import timm
 import torch
 import torch.nn as nn
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.layers import LargeKernelConv
@@ -80,7 +82,9 @@ def test_multirun_under_torchrun_trains_every_job_on_two_processes(tmp_path):
 def test_ddp_config_syncs_batchnorm_and_every_batchnorm_converts():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["trainer=ddp"])
-    assert cfg.trainer.strategy == "ddp" and cfg.trainer.sync_batchnorm is True and cfg.trainer.devices == "auto"
+    strategy = instantiate(cfg.trainer.strategy)
+    assert type(strategy) is DDPStrategy and strategy._ddp_kwargs == {"broadcast_buffers": False}
+    assert cfg.trainer.sync_batchnorm is True and cfg.trainer.devices == "auto"
     net = timm.create_model("replknet_tiny", kernel_sizes=[7, 5, 3, 3], small_kernel=3)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in net.modules())
     synced = SyncBatchNormPlugin().apply(net)  # what train.py gives Lightning for sync_batchnorm=True

@@ -5,8 +5,8 @@ forward and backward are Python around PyTorch's kernels and collectives. That c
 its forward also makes the host wait for the GPU once per layer, by boolean indexing: pytorch/pytorch#78549): on
 2x H200 it turned 2 GPUs into 0.93x of one, and even without the wait the host needed ~0.7 ms per layer, more per
 step than the GPU. lkcnn's version issues the same kernels and collectives from one C++ autograd function
-(csrc/sync_batchnorm.cpp, built with the convolution kernels). Eval mode, CPU tensors, one process, empty inputs, or
-a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
+(csrc/sync_batchnorm.cpp, built with the convolution kernels). Eval mode and one process run plain BatchNorm; CPU
+tensors, empty inputs, or a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
 """
 from __future__ import annotations
 
@@ -33,10 +33,12 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     """torch.nn.SyncBatchNorm whose distributed training forward and backward run in C++ (module docstring)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        group = self.process_group or dist.group.WORLD
-        world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-        if not (self.training and world_size > 1 and input.is_cuda and input.numel() > 0 and self.track_running_stats
-                and self.momentum is not None):
+        # group.size(), not dist.get_world_size(group): this runs ~200 times per step, and the latter's Python (and
+        # torch.nn.SyncBatchNorm.forward asking again) took ~12 ms per step under cProfile on one GPU (session 4)
+        group = (self.process_group or dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
+        if not (self.training and group is not None and group.size() > 1):
+            return nn.modules.batchnorm._BatchNorm.forward(self, input)  # nothing to synchronize: plain BatchNorm
+        if not (input.is_cuda and input.numel() > 0 and self.track_running_stats and self.momentum is not None):
             return super().forward(input)
         self._check_input_dim(input)
         try:
