@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=${TORCH_E
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m lkcnn.ops.build || exit 1
 common=(model=replknet31b data=synthetic data.num_workers=6 "callbacks=[default,throughput]"
-        callbacks.throughput.warmup_batches=10 trainer=ddp trainer.max_steps=30 trainer.limit_val_batches=2
+        callbacks.throughput.warmup_batches=10 trainer=ddp trainer.max_steps=50 trainer.limit_val_batches=2
         trainer.log_every_n_steps=1)
 declare -A setup=([g1b64]="trainer.devices=1 data.batch_size=64" [g2b64]="trainer.devices=2 data.batch_size=64"
                    [g1b128]="trainer.devices=1 data.batch_size=128" [g2b128]="trainer.devices=2 data.batch_size=128")
