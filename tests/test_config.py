@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
@@ -115,6 +116,8 @@ def test_cli_cfg_job_and_help():
 @pytest.mark.parametrize("override, message", [
     ("model.no_such_key=1", "Key 'no_such_key' is not in struct"),
     ("data=no_such_data", "Could not find 'data/no_such_data'"),
+    pytest.param("trainer=ddp", "add trainer.accelerator=cpu", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the GPU machine trains instead")),
 ])
 def test_cli_bad_override_fails_without_traceback(override, message):
     result = run_cli(override)

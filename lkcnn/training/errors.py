@@ -24,12 +24,17 @@ def user_error_message(err: BaseException) -> str | None:
     Looks through the causes, since Hydra's instantiate wraps errors raised in constructors; a `???` value that the
     command line left unset is a user error too.
     """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, UserError):
             return str(cause)
+        if isinstance(cause, MisconfigurationException):  # Lightning's: a Trainer setting that cannot work here
+            hint = (" This machine has no usable GPU: add trainer.accelerator=cpu (with trainer=ddp, also "
+                    "trainer.devices=2 or more for DDP over gloo).") if "gpu backend" in str(cause).lower() else ""
+            return f"{cause} (check the trainer.* settings){hint}"
         if isinstance(cause, (MissingMandatoryValue, InterpolationToMissingValueError)):
             # the ??? key itself; behind an interpolation only the message names it
             key = cause.full_key if isinstance(cause, MissingMandatoryValue) else \
