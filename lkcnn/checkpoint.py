@@ -11,7 +11,6 @@ import collections
 import pickle
 import re
 import typing
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +76,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
             f"checkpoint {path} contains a pickled object that lkcnn does not load from a file it cannot trust "
             f"({refused.group(1)}). If you trust the file, save only its weights, e.g. torch.save(torch.load(path, "
             "weights_only=False)['state_dict'], 'weights.pt'), and export that with --model NAME.") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  damaged bytes fail the unpickler in many ways (IndexError, KeyError, ...)
         raise CheckpointError(f"checkpoint {path} could not be read ({_first_line(e)}); it is probably truncated or "
                               "corrupt: copy or save it again.") from None
     if not isinstance(obj, dict):

@@ -64,9 +64,8 @@ def main() -> None:
     import train as app
 
     out = tempfile.mkdtemp(prefix="lkcnn_host_profile_")
-    extra = [f"paths.output_dir={out}", f"paths.runs_dir={out}",
-             f"+callbacks.host_profile={{_target_: app_host_profile.HostProfile, warmup: {args.warmup}, "
-             f"batches: {args.batches}}}"]
+    callback = f"{{_target_: app_host_profile.HostProfile, warmup: {args.warmup}, batches: {args.batches}}}"
+    extra = [f"paths.output_dir={out}", f"paths.runs_dir={out}", f"+callbacks.host_profile={callback}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[*args.overrides, *extra])
     app.train(cfg)
