@@ -4,10 +4,11 @@
 // On such a map the banded kernels spend most of their work on padding (a 27x27 kernel over a 14x14 map is 27%
 // in-bounds taps). Here one block takes one channel of 32 samples, one sample per lane, and works on whole map rows
 // held in registers: every (input column, output column) pair of an MW-wide row (MW = 7, 8, 14 or 16: the map's
-// width rounded up to one of these, exact for the 7 and 14 of 224-px inputs) meets the kernel row through E, the channel's kernel re-indexed by offset (E[a][b] = w[a - (H-1) + ph]
-// [b - (MW-1) + pw], zero outside the kernel). Rows are visited only where the kernel reaches; columns are not
-// skipped, so callers send a map here only where most column pairs are taps (small_map_fits). All lanes of a warp run
-// the same loop (lanes differ only in the sample), and E is read with broadcast loads.
+// width rounded up to one of these, exact for the 7 and 14 of 224-px inputs) meets the kernel row through E, the
+// channel's kernel re-indexed by offset (E[a][b] = w[a - (H-1) + ph][b - (MW-1) + pw], zero outside the kernel).
+// Rows are visited only where the kernel reaches; columns are not skipped, so callers send a map here only where most
+// column pairs are taps (small_map_fits). All lanes of a warp run the same loop (lanes differ only in the sample),
+// and E is read with broadcast loads.
 //
 // Forward and input gradient (flipped kernel, as for the other forward kernels): warp w owns output rows 2w, 2w+1
 // in 2 x MW fp32 accumulators. Weight gradient: warp w accumulates kernel rows w, w + warps, ... (in E's offsets)
