@@ -18,7 +18,10 @@ class ModelEma(ModelEmaV3):
 
     def _gather(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
         ema_f, model_f, ema_rest, model_rest = [], [], [], []
-        for ema_v, model_v in zip(self.module.state_dict().values(), model.state_dict().values()):
+        # keep_vars: the parameters themselves, whose data .to() swaps in place, so a stale list never holds on to
+        # a moved network's old storage (only its buffers', which are small)
+        for ema_v, model_v in zip(self.module.state_dict(keep_vars=True).values(),
+                                  model.state_dict(keep_vars=True).values()):
             if ema_v.is_floating_point():
                 ema_f.append(ema_v)
                 model_f.append(model_v)
