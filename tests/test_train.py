@@ -139,6 +139,15 @@ def test_optimizer_groups_lr_scaling_and_per_iteration_schedule(tmp_path):
     assert lrs == pytest.approx(expected, rel=1e-6)  # set every iteration, not once per epoch
 
 
+@pytest.mark.parametrize("opt", ["lamb", "sgd"])
+def test_other_optimizers_train_with_the_fused_default(tmp_path, opt):
+    """conf/optim/adamw.yaml sets fused: true; optimizers without a fused kernel (lamb) run without it."""
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), f"optim.optimizer.opt={opt}", "trainer.max_steps=1",
+                   "trainer.limit_val_batches=0")
+    train_app.train(cfg)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_model_mistakes_are_config_errors(tmp_path):
     cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "conv_impl=torch")
     instantiate(cfg.module)

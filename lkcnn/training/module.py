@@ -117,7 +117,13 @@ class ClassificationModule(L.LightningModule):
             # itself); clipping wins over the fused kernel
             rank_zero_info("gradient clipping is on: AdamW runs unfused (optim.optimizer.fused=false)")
             kwargs["fused"] = False
-        optimizer = create_optimizer_v2(self.model, **kwargs)
+        try:
+            optimizer = create_optimizer_v2(self.model, **kwargs)
+        except TypeError as err:  # optimizers without a fused kernel (timm's lamb, lion, ...) take no `fused`
+            if "fused" not in kwargs or "fused" not in str(err):
+                raise
+            rank_zero_info(f"optimizer {kwargs['opt']!r} has no fused kernel: optim.optimizer.fused ignored")
+            optimizer = create_optimizer_v2(self.model, **{k: v for k, v in kwargs.items() if k != "fused"})
         epochs = self.trainer.max_epochs
         if not epochs or epochs < 1:
             raise ConfigError("the cosine schedule is laid out over epochs: set trainer.max_epochs")
