@@ -150,7 +150,7 @@ void run_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, a
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
   const int smem = int(sizeof(float)) * t.PB * (t.IR * t.XLD + t.WR * t.KWp);
   auto kernel = dwconv_fwd_kernel<T, U, V>;
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(kernel, smem);
   const dim3 block(t.TX, t.TY, t.PB);
   kernel<<<unsigned(blocks), block, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,

@@ -142,7 +142,7 @@ void run_fwd_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
   const int smem = t.PB * t.IR * t.XLD * 2 + g.kh * t.QL * 4;
   auto kernel = dwconv_fwd_tc_kernel<T, NB, S>;
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(kernel, smem);
   kernel<<<unsigned(blocks), 32 * t.MT * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
       y.mutable_data_ptr<T>(), g, t);

@@ -1,8 +1,10 @@
-// Device helpers shared by the kernels: 16-byte shared-memory loads, staging of a padded tile as fp32 (SIMT
-// kernels), copying a box into shared memory (tensor-core kernels).
+// Helpers shared by the kernels: 16-byte shared-memory loads, staging of a padded tile as fp32 (SIMT kernels),
+// copying a box into shared memory (tensor-core kernels), and the launch-side opt-in to large shared memory.
 #pragma once
 
 #include <cstdint>
+
+#include <c10/cuda/CUDAException.h>
 
 namespace lkcnn {
 
@@ -86,6 +88,13 @@ __device__ __forceinline__ void box_loop(int planes, int rows, int cols, int tid
 __device__ __forceinline__ void zero_smem(void* dst, int bytes, int tid, int nthr) {
   uint4* p = reinterpret_cast<uint4*>(dst);
   for (int i = tid; i < bytes / 16; i += nthr) p[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Before launching `kernel` with `bytes` of dynamic shared memory: above 48 KB a kernel must opt in.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, int bytes) {
+  if (bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 }  // namespace lkcnn

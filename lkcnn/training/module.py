@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -115,7 +115,7 @@ class ClassificationModule(L.LightningModule):
         if kwargs.get("fused") and self.trainer.gradient_clip_val:
             # Lightning's mixed-precision plugins refuse to clip the gradients of a fused optimizer (it unscales them
             # itself); clipping wins over the fused kernel
-            rank_zero_info("gradient clipping is on: AdamW runs unfused (optim.optimizer.fused=false)")
+            rank_zero_info(f"gradient clipping is on: {kwargs['opt']} runs unfused (optim.optimizer.fused=false)")
             kwargs["fused"] = False
         try:
             optimizer = create_optimizer_v2(self.model, **kwargs)
