@@ -38,6 +38,12 @@ void check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const 
               ph, ",", pw);
 }
 
+// Whether x's pass runs on kernels that stage one channel of several samples per block (the whole-map and the
+// tensor-core kernels): those get NCHW copies of channels_last and strided tensors, whose every element would
+// otherwise be a 32-byte sector of its own (1.6-2.2x slower passes, docs/performance.md v16). The fp32 SIMT kernels
+// stage tiles of one sample's map and measured the same in both layouts, so they read any strides directly.
+bool stages_by_channel(const at::Tensor& x, bool small) { return small || x.scalar_type() != at::kFloat; }
+
 void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor y, int64_t ph,
          int64_t pw) {
   check_pair(x, y, "lkcnn dwconv2d forward");
@@ -48,20 +54,28 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == x.size(1) && b.device() == x.device(),
                 "lkcnn dwconv2d forward: bias must be a contiguous fp32 (C,) tensor on the input's device");
   }
-  if (small_map_fits(x, w.size(2))) launch_dwconv_fwd_small(x, w, b, y, ph, pw);
-  else if (x.scalar_type() == at::kFloat) launch_dwconv_fwd(x, w, b, y, ph, pw);
-  else launch_dwconv_fwd_tc(x, w, b, y, ph, pw);
+  const bool small = small_map_fits(x, w.size(2));
+  auto launch = [&](const at::Tensor& xi, at::Tensor& yo) {
+    if (small) launch_dwconv_fwd_small(xi, w, b, yo, ph, pw);
+    else if (xi.scalar_type() == at::kFloat) launch_dwconv_fwd(xi, w, b, yo, ph, pw);
+    else launch_dwconv_fwd_tc(xi, w, b, yo, ph, pw);
+  };
+  if (!stages_by_channel(x, small) || (x.is_contiguous() && y.is_contiguous())) return launch(x, y);
+  at::Tensor yc = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
+  launch(to_nchw(x), yc);
+  copy_from_nchw(y, yc);
 }
 
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64_t ph, int64_t pw) {
   check_pair(grad_out, x, "lkcnn dwconv2d weight gradient");
   check_kernel(dw, x.size(1), ph, pw, "lkcnn dwconv2d weight gradient");
-  if (small_map_fits(x, dw.size(2)))
-    return launch_dwconv_wgrad_small(grad_out, x, dw, ph, pw);
-  TORCH_CHECK(wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
+  const bool small = small_map_fits(x, dw.size(2));
+  TORCH_CHECK(small || wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
               "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
-  if (x.scalar_type() == at::kFloat) launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
-  else launch_dwconv_wgrad_tc(grad_out, x, dw, ph, pw);
+  if (!stages_by_channel(x, small)) return launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
+  const at::Tensor dy_c = to_nchw(grad_out), x_c = to_nchw(x);
+  if (small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
+  else launch_dwconv_wgrad_tc(dy_c, x_c, dw, ph, pw);
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 //
 // fp32 runs on SIMT kernels (tiles staged in shared memory, FMA pipes); fp16 and bf16 run on tensor-core kernels
 // (compute capability 8.0+, band_mma.cuh); small maps that the kernel mostly covers run on whole-map kernels on
-// the FMA pipes (dwconv_small.cu). All accumulate in fp32. Tensors are addressed through explicit strides,
-// so NCHW, channels_last and other non-contiguous layouts run without a copy.
+// the FMA pipes (dwconv_small.cu). All accumulate in fp32. Tensors are addressed through explicit strides; the
+// kernels that stage one channel per block get NCHW copies of other layouts (layout.cu, bindings.cpp).
 #pragma once
 
 #include <cstdint>
@@ -47,13 +47,18 @@ void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Te
 void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                             int64_t pw);
 
-// Maps of at most 16 x 16 (fp16/bf16: 16 x 8) whose rows the kernel mostly covers, batches of at least 16: all three
+// Maps of at most 16 x 16 whose rows the kernel mostly covers, batches of at least 16: all three
 // passes on dwconv_small.cu's whole-map kernels, which skip no column pairs but visit no padded rows.
 bool small_map_fits(const at::Tensor& t, int64_t kw);
 void launch_dwconv_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                              int64_t ph, int64_t pw);
 void launch_dwconv_wgrad_small(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                                int64_t pw);
+
+// An NCHW-contiguous tensor with t's values: t itself, a transpose of a channels_last t (layout.cu), or PyTorch's
+// copy of other strides; and dst = src (NCHW-contiguous) whatever dst's layout.
+at::Tensor to_nchw(const at::Tensor& t);
+void copy_from_nchw(at::Tensor& dst, const at::Tensor& src);
 
 // Whether the weight-gradient tile for maps of width W fits in shared memory (the forward always fits for k <= 63).
 bool wgrad_supported(int64_t W, int64_t kh, int64_t kw);

@@ -1,5 +1,5 @@
 // Small maps (up to 16 x 16) whose kernel reaches most of the map, as in RepLKNet's last stages (14x14 with 27x27,
-// 7x7 with 13x13): all three passes on the FMA pipes, without the padded rows (fp32; fp16/bf16 up to 8 columns).
+// 7x7 with 13x13): all three passes on the FMA pipes, without the padded rows, every dtype.
 //
 // On such a map the banded kernels spend most of their work on padding (a 27x27 kernel over a 14x14 map is 27%
 // in-bounds taps). Here one block takes one channel of 32 samples, one sample per lane, and works on whole map rows
@@ -43,18 +43,35 @@ int map_cols(int64_t W) { return W <= 7 ? 7 : W <= 8 ? 8 : W <= 14 ? 14 : 16; }
 // reading 16 bytes each at the same offset of their samples hit distinct bank groups.
 __host__ __device__ constexpr int sample_stride(int H, int LD) { return H * LD + 4; }
 
+// f(r, col) for every map position (r < H, col < LD), shared among the block's threads. Staging and storing take a
+// position per thread and walk the block's samples there, so a position's index arithmetic is done once, not once
+// per element: the generic box loop (tile.cuh) spent ~58 instructions per element, 40% of the forward's
+// instructions at 14x14 (Nsight Compute, docs/performance.md v15).
+template <int LD, typename F>
+__device__ __forceinline__ void for_positions(int H, F f) {
+  for (int i = threadIdx.x; i < H * LD; i += blockDim.x) f(i / LD, i % LD);
+}
+
 // Stage kLanes samples (from n0) of channel c as fp32 [sample][row][LD columns], zeros past the map and the batch.
+// Loads go out in groups of 8 before their stores, so that 8 are in flight per thread.
 template <int LD, typename T>
 __device__ __forceinline__ void stage_samples(float* __restrict__ dst, const T* __restrict__ src, int64_t n0, int64_t c,
                                               const ConvGeom& g, int64_t s_n, int64_t s_c, int64_t s_h, int64_t s_w) {
   const int ss = sample_stride(g.H, LD);
-  const int64_t nn = g.N - n0;
-  const T* base = src + n0 * s_n + c * s_c;
-  box_loop<8>(kLanes, g.H, LD, threadIdx.x, blockDim.x,
-              [&](int z, int r, int col) {
-                return z < nn && col < g.W ? static_cast<float>(base[z * s_n + r * s_h + col * s_w]) : 0.f;
-              },
-              [&](int z, int r, int col, float v) { dst[z * ss + r * LD + col] = v; });
+  const int nn = int(min(int64_t(kLanes), g.N - n0));
+  for_positions<LD>(g.H, [&](int r, int col) {
+    const T* p = src + n0 * s_n + c * s_c + r * s_h + col * s_w;
+    float* d = dst + r * LD + col;
+    const int zn = col < g.W ? nn : 0;
+#pragma unroll 1
+    for (int z0 = 0; z0 < kLanes; z0 += 8, p += 8 * s_n, d += 8 * ss) {
+      float v[8];
+#pragma unroll
+      for (int z = 0; z < 8; ++z) v[z] = z0 + z < zn ? static_cast<float>(p[z * s_n]) : 0.f;
+#pragma unroll
+      for (int z = 0; z < 8; ++z) d[z * ss] = v[z];
+    }
+  });
 }
 
 template <typename T, int MW>
@@ -115,8 +132,12 @@ __global__ void __launch_bounds__(256) dwconv_fwd_small_kernel(const T* __restri
   const float bv = bias != nullptr ? bias[c] : 0.f;
   T* out = y + n0 * g.ys_n + c * g.ys_c;
   const int nn = int(min(int64_t(kLanes), g.N - n0));
-  box_loop<8>(nn, H, g.W, tid, blockDim.x, [&](int z, int r, int col) { return sx[z * ss + r * LD + col]; },
-              [&](int z, int r, int col, float v) { out[z * g.ys_n + r * g.ys_h + col * g.ys_w] = T(v + bv); });
+  for_positions<LD>(H, [&](int r, int col) {
+    if (col >= g.W) return;
+    T* p = out + r * g.ys_h + col * g.ys_w;
+    const float* s = sx + r * LD + col;
+    for (int z = 0; z < nn; ++z, p += g.ys_n, s += ss) *p = T(*s + bv);
+  });
 }
 
 // One step of reduce_scatter: lanes with bit h set keep (and receive) the upper h of the first 2h values, the
@@ -224,21 +245,24 @@ void run_wgrad_small(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// f.template run<T, MW>() for the tensor's dtype and MW = map_cols(W) (fp16/bf16 only up to 8 wide: small_map_fits).
+// f.template run<T, MW>() for MW = map_cols(W).
+template <typename T, typename F>
+void dispatch_cols(int W, const F& f) {
+  switch (map_cols(W)) {
+    case 7: return f.template run<T, 7>();
+    case 8: return f.template run<T, 8>();
+    case 14: return f.template run<T, 14>();
+    default: return f.template run<T, 16>();
+  }
+}
+
+// ... and T the tensor's dtype.
 template <typename F>
 void dispatch(const at::Tensor& t, int W, const F& f) {
   const auto dtype = t.scalar_type();
-  const int mw = map_cols(W);
-  if (dtype == at::kFloat) {
-    switch (mw) {
-      case 7: return f.template run<float, 7>();
-      case 8: return f.template run<float, 8>();
-      case 14: return f.template run<float, 14>();
-      default: return f.template run<float, 16>();
-    }
-  }
-  if (dtype == at::kHalf) return mw == 7 ? f.template run<c10::Half, 7>() : f.template run<c10::Half, 8>();
-  return mw == 7 ? f.template run<c10::BFloat16, 7>() : f.template run<c10::BFloat16, 8>();
+  if (dtype == at::kFloat) return dispatch_cols<float>(W, f);
+  if (dtype == at::kHalf) return dispatch_cols<c10::Half>(W, f);
+  return dispatch_cols<c10::BFloat16>(W, f);
 }
 
 struct FwdCall {
@@ -261,11 +285,9 @@ struct WgradCall {
 
 bool small_map_fits(const at::Tensor& t, int64_t kw) {
   const int64_t N = t.size(0), H = t.size(2), W = t.size(3);
-  // At least half the lanes busy, and at least half of the MW x MW column pairs taps of the kernel. fp16/bf16 only
-  // up to 8 columns: at 14x14 the tensor-core kernels measured faster (s3 bf16 total 0.44 vs 0.52 ms; s4 at 7x7:
-  // 0.29 vs 0.15, docs/performance.md v13).
-  const bool fp32 = t.scalar_type() == at::kFloat;
-  if (N < kLanes / 2 || H > kMaxSide || W > (fp32 ? kMaxSide : 8) || H < 1 || W < 1) return false;
+  // At least half the lanes busy, and at least half of the MW x MW column pairs taps of the kernel. Every dtype: at
+  // 14x14 fp16/bf16 measured 0.26-0.28 ms here against 0.44 on the tensor-core kernels (s3, docs/performance.md v16).
+  if (N < kLanes / 2 || H > kMaxSide || W > kMaxSide || H < 1 || W < 1) return false;
   const int64_t mw = map_cols(W), pw = kw / 2;
   int64_t taps = 0;
   for (int64_t q = 0; q < W; ++q) taps += std::min(W - 1, q + pw) - std::max<int64_t>(0, q - pw) + 1;

@@ -66,11 +66,13 @@ Anchors = dict[tuple[tuple[int, ...], int, str], dict[str, dict[str, float]]]
 
 @dataclass(frozen=True)
 class Config:
-    """One benchmark point: a named (N, C, H, W) shape, a square odd kernel size and a dtype name."""
+    """One benchmark point: a named (N, C, H, W) shape, a square odd kernel size, a dtype name, and the memory
+    format lkcnn's passes are timed in (channels_last is what the training app runs; PyTorch is timed in both)."""
     shape: str
     nchw: tuple[int, int, int, int]
     k: int
     dtype: str
+    channels_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ def describe(cfg: Config) -> dict[str, Any]:
     n, c, h, w = cfg.nchw
     return {
         "shape": cfg.shape, "nchw": list(cfg.nchw), "k": cfg.k, "dtype": cfg.dtype,
+        "lkcnn_layout": "channels_last" if cfg.channels_last else "nchw",
         "useful_flop_per_pass": flops, "dense_fraction": flops / (2 * n * c * h * w * cfg.k ** 2),
         "bytes_per_pass": pass_bytes(cfg.nchw, cfg.k, DTYPES[cfg.dtype].itemsize),
         "floor_ms": floors_ms(cfg.nchw, cfg.k, cfg.dtype),
@@ -173,7 +176,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- selection, anchors
 def select_configs(shapes: Iterable[str] | None = None, ks: Iterable[int] | None = None,
-                   dtypes: Iterable[str] | None = None, quick: bool = False) -> list[Config]:
+                   dtypes: Iterable[str] | None = None, quick: bool = False,
+                   channels_last: bool = False) -> list[Config]:
     """The configs to run: every (shape, k, dtype) of the set (or of --quick) that passes the filters."""
     table = QUICK_KERNEL_SIZES if quick else KERNEL_SIZES
     shapes, dtypes = list(shapes or SHAPES), list(dtypes or DTYPES)
@@ -182,7 +186,7 @@ def select_configs(shapes: Iterable[str] | None = None, ks: Iterable[int] | None
         if unknown:
             raise ValueError(f"unknown {kind} {', '.join(unknown)}; choose from {', '.join(known)}")
     wanted = None if ks is None else set(ks)
-    configs = [Config(shape, SHAPES[shape], k, dtype) for shape in shapes for k in table[shape]
+    configs = [Config(shape, SHAPES[shape], k, dtype, channels_last) for shape in shapes for k in table[shape]
                if wanted is None or k in wanted for dtype in dtypes]
     if not configs:
         offered = "; ".join(f"{shape}: {','.join(map(str, table[shape]))}" for shape in shapes)
@@ -267,8 +271,15 @@ def n_input_sets(set_bytes: float) -> int:
     return min(MAX_INPUT_SETS, math.ceil(L2_BYTES / set_bytes) + 1)
 
 
+def in_layout(sets: list[Inputs], channels_last: bool) -> list[Inputs]:
+    """The input sets in NCHW or channels_last memory format (the weight too: PyTorch's kernels take it so)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return [replace(s, x=s.x.contiguous(memory_format=fmt), dy=s.dy.contiguous(memory_format=fmt),
+                    w=s.w.contiguous(memory_format=fmt)) for s in sets]
+
+
 def make_inputs(cfg: Config, device: torch.device) -> list[Inputs]:
-    """Fresh random input sets (never zeros) for the config, as many as n_input_sets asks for."""
+    """Fresh random input sets (never zeros) for the config, as many as n_input_sets asks for, in lkcnn's layout."""
     c, dtype, k = cfg.nchw[1], DTYPES[cfg.dtype], cfg.k
 
     def one() -> Inputs:
@@ -276,7 +287,8 @@ def make_inputs(cfg: Config, device: torch.device) -> list[Inputs]:
                       dy=torch.randn(cfg.nchw, device=device, dtype=dtype),
                       w=torch.randn(c, 1, k, k, device=device, dtype=dtype) / k,
                       kernel_size=[k, k], padding=[k // 2, k // 2])
-    return [one() for _ in range(n_input_sets(pass_bytes(cfg.nchw, k, dtype.itemsize)))]
+    sets = [one() for _ in range(n_input_sets(pass_bytes(cfg.nchw, k, dtype.itemsize)))]
+    return in_layout(sets, cfg.channels_last)
 
 
 def _rotating(fn: Callable[[Inputs], Tensor], sets: list[Inputs]) -> Callable[[], Tensor]:
@@ -292,10 +304,7 @@ def time_passes(passes: dict[str, Callable[[Inputs], Tensor]], sets: list[Inputs
 
 
 def _time_torch(sets: list[Inputs], timer: Timer, cudnn: bool, channels_last: bool) -> dict[str, float]:
-    if channels_last:
-        cl = torch.channels_last
-        sets = [replace(s, x=s.x.contiguous(memory_format=cl), dy=s.dy.contiguous(memory_format=cl),
-                        w=s.w.contiguous(memory_format=cl)) for s in sets]
+    sets = in_layout(sets, channels_last)
     with pytorch_backend(cudnn):
         return time_passes(TORCH_PASSES, sets, timer)
 
@@ -417,7 +426,8 @@ def table_row(result: dict[str, Any]) -> list[str]:
     if torch_result and best is None:
         notes.append(f"torch: {next(iter(torch_result['variants'].values()))['error']}")
     note = "; ".join(note.splitlines()[0] for note in notes)
-    return [result["shape"], str(result["k"]), result["dtype"], *(_ms(_times(lk, key)) for key in TOTAL_KEYS),
+    layout = " CL" if result.get("lkcnn_layout") == "channels_last" else ""
+    return [result["shape"] + layout, str(result["k"]), result["dtype"], *(_ms(_times(lk, key)) for key in TOTAL_KEYS),
             _ms(_times(best, "total")), "-" if speedup is None else f"{speedup:.2f}x", _ms(_times(mge, "total")),
             "-" if vs_mge is None else f"{vs_mge:.2f}x", "-" if fma is None else f"{100 * fma:.1f}%",
             note[:100] + ("..." if len(note) > 100 else "")]
@@ -485,6 +495,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--anchors", default=str(DEFAULT_ANCHORS),
                         help="H100 anchors JSON with MegEngine's times ('' for none; default %(default)s)")
     parser.add_argument("--no-torch", action="store_true", help="time lkcnn only (no PyTorch variants)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="time lkcnn's passes on channels_last tensors (the training app's layout; rows marked CL)")
     return parser
 
 
@@ -504,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        configs = select_configs(args.shapes, args.ks, args.dtypes, args.quick)
+        configs = select_configs(args.shapes, args.ks, args.dtypes, args.quick, args.channels_last)
     except ValueError as err:
         parser.error(str(err))
     try:

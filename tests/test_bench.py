@@ -1,6 +1,7 @@
 """lkcnn.bench on the CPU: in-bounds FLOPs vs brute force and REFERENCE.md, config selection, anchors, the JSON report
 and table with a fake timing function, failures recorded per config, the plot, and the no-GPU exit."""
 import json
+from dataclasses import replace
 import os
 import random
 import subprocess
@@ -161,6 +162,30 @@ def test_benchmark_json_schema_with_fake_timer():
             assert r["speedup_vs_megengine"]["total"] == pytest.approx(sum(total.values()) / lk["total"])
         else:
             assert r["speedup_vs_megengine"] is None
+
+
+def test_channels_last_times_lkcnn_in_that_layout_and_pytorch_in_both():
+    cl = torch.channels_last
+    configs = bench.select_configs(["s4"], dtypes=["fp32"], quick=True, channels_last=True)
+    assert [c.channels_last for c in configs] == [True]
+    cfg = replace(configs[0], nchw=(2, 3, 7, 7))
+    sets = bench.make_inputs(cfg, torch.device("cpu"))
+    assert all(s.x.is_contiguous(memory_format=cl) and s.dy.is_contiguous(memory_format=cl) for s in sets)
+    assert all(s.x.is_contiguous() for s in bench.in_layout(sets, channels_last=False))
+
+    layouts = []
+
+    def timer(fn):  # records the layout each timed pass saw
+        out = fn()
+        layouts.append(out.dim() == 4 and out.shape[2] > 1 and out.is_contiguous(memory_format=cl)
+                       and not out.is_contiguous())
+        return 1.0
+    result = bench.bench_config(cfg, timer, torch.device("cpu"), True, {})
+    assert result["lkcnn_layout"] == "channels_last"
+    assert layouts[:2] == [True, True]  # lkcnn's forward and input gradient kept channels_last
+    torch_forwards = layouts[3::3]  # PyTorch's forward keeps its input's layout
+    assert torch_forwards == [cl_variant for _, cl_variant in bench.TORCH_VARIANTS.values()]
+    assert bench.table_row(result)[0] == "s4 CL"
 
 
 def test_failures_are_recorded_and_the_run_goes_on(monkeypatch):

@@ -53,17 +53,21 @@ def check_case(n, c, h, w, kh, kw, dtype, layout, bias=True, seed=None):
     b = torch.randn(c, device=dev, generator=gen).to(dtype) if bias else None
     dy = _layout(torch.randn(n, c, h, w, device=dev, generator=gen).to(dtype), layout)
 
+    what = f"seed={seed} shape={(n, c, h, w)} k={kh}x{kw} {dtype} {layout} bias={bias}"
     xs, ws = x.detach().requires_grad_(), wt.detach().requires_grad_()
     bs = b.detach().requires_grad_() if bias else None
-    y = dwconv2d(xs, ws, bs)
-    y.backward(dy)
+    try:
+        y = dwconv2d(xs, ws, bs)
+        y.backward(dy)
+        torch.cuda.synchronize()
+    except RuntimeError as err:  # a failed launch must name the case (random draws are not repeated)
+        raise AssertionError(f"lkcnn failed on {what}: {err}") from err
 
     x64, w64 = x.double().requires_grad_(), wt.double().requires_grad_()
     b64 = b.double().requires_grad_() if bias else None
     y64 = F.conv2d(x64, w64, b64, 1, (kh // 2, kw // 2), 1, c)
     y64.backward(dy.double())
 
-    what = f"seed={seed} shape={(n, c, h, w)} k={kh}x{kw} {dtype} {layout}"
     assert y.shape == y64.shape and y.dtype == dtype, what
     if layout == "channels_last" and c > 1:
         assert y.is_contiguous(memory_format=torch.channels_last), what
@@ -72,6 +76,7 @@ def check_case(n, c, h, w, kh, kw, dtype, layout, bias=True, seed=None):
     if bias:
         pairs.append(("grad_b", bs.grad, b64.grad))
     for name, got, ref in pairs:
+        assert not torch.isnan(got).any(), f"{name} has NaNs: some element was never written ({what})"
         err = rel_err(got, ref)
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e} ({what})"
 
@@ -94,6 +99,14 @@ def test_map_sizes(shape, k, dtype):
     """Maps smaller than the kernel (7x7 with 13x13 and 31x31), single pixels, thin and large maps (several tiles
     per map; weight-gradient items of a part of a map's rows at 112x112), batch 1."""
     check_case(*shape, k, k, dtype, random.choice(LAYOUTS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_launch_just_under_the_default_shared_memory_limit(dtype):
+    """The 16-bit weight gradient of a 51x45 kernel over 4 x 40 x 16 maps asks for 49,056 bytes of dynamic shared
+    memory, under the 48 KB that needs no opt-in, but its kernel also has 160 bytes of static shared memory: the
+    launch failed ("invalid argument") until the opt-in counted both (found by test_random_configurations)."""
+    check_case(4, 3, 40, 16, 51, 45, dtype, "nchw")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,0 +1,85 @@
+// NCHW <-> channels_last copies for the kernels that stage one channel per block (tensor-core and whole-map kernels).
+// In channels_last every element such a kernel reads or writes is a 32-byte sector of its own, which made those
+// passes 1.6-2.2x slower than in NCHW (docs/performance.md v16). PyTorch's copy for this permutation ran at ~1 TB/s
+// on the H100 (two copies of an s3 fp32 tensor took ~100 us, v16), so lkcnn transposes through shared memory tiles.
+#include "dwconv.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace lkcnn {
+namespace {
+
+constexpr int kTile = 32;  // a tile is kTile x kTile elements
+constexpr int kRows = 8;   // threadIdx.y: rows of the tile per pass
+
+// dst[b][s][r] = src[b][r][s] for B matrices of R x S elements; blockIdx.x picks the tile, blockIdx.y the matrix
+// (striding by gridDim.y past 65535 matrices).
+template <typename T>
+__global__ void __launch_bounds__(kTile * kRows) transpose_kernel(const T* __restrict__ src, T* __restrict__ dst,
+                                                                  int64_t B, int64_t R, int64_t S) {
+  __shared__ T tile[kTile][kTile + 1];  // +1: the column reads of the second phase hit distinct banks
+  const int64_t tiles_s = (S + kTile - 1) / kTile;
+  const int64_t r0 = blockIdx.x / tiles_s * kTile, s0 = blockIdx.x % tiles_s * kTile;
+  const int tx = threadIdx.x;
+  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+    const T* in = src + b * R * S;
+    T* out = dst + b * R * S;
+    T v[kTile / kRows];  // all loads of a pass in flight before the first store (one at a time ran at ~1 TB/s)
+#pragma unroll
+    for (int k = 0; k < kTile / kRows; ++k) {
+      const int i = threadIdx.y + k * kRows;
+      v[k] = r0 + i < R && s0 + tx < S ? in[(r0 + i) * S + s0 + tx] : T(0);
+    }
+#pragma unroll
+    for (int k = 0; k < kTile / kRows; ++k) tile[threadIdx.y + k * kRows][tx] = v[k];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kTile / kRows; ++k) {
+      const int i = threadIdx.y + k * kRows;
+      if (s0 + i < S && r0 + tx < R) out[(s0 + i) * R + r0 + tx] = tile[tx][i];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+void run_transpose(const at::Tensor& src, at::Tensor& dst, int64_t B, int64_t R, int64_t S) {
+  const int64_t tiles = (R + kTile - 1) / kTile * ((S + kTile - 1) / kTile);
+  TORCH_CHECK(tiles < INT32_MAX, "lkcnn: map too large for one transpose launch");
+  const dim3 grid(unsigned(tiles), unsigned(std::min<int64_t>(B, 65535)));
+  transpose_kernel<T><<<grid, dim3(kTile, kRows), 0, at::cuda::getCurrentCUDAStream()>>>(
+      src.const_data_ptr<T>(), dst.mutable_data_ptr<T>(), B, R, S);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// dst = src as B matrices of R x S elements transposed; both dense in memory (any logical layout).
+void transpose(const at::Tensor& src, at::Tensor& dst, int64_t B, int64_t R, int64_t S) {
+  const c10::cuda::CUDAGuard guard(src.device());
+  if (src.numel() == 0) return;
+  switch (src.scalar_type()) {
+    case at::kFloat: return run_transpose<float>(src, dst, B, R, S);
+    case at::kHalf: return run_transpose<c10::Half>(src, dst, B, R, S);
+    default: return run_transpose<c10::BFloat16>(src, dst, B, R, S);
+  }
+}
+
+}  // namespace
+
+at::Tensor to_nchw(const at::Tensor& t) {
+  if (t.is_contiguous()) return t;
+  if (!t.is_contiguous(at::MemoryFormat::ChannelsLast)) return t.contiguous();
+  at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  transpose(t, out, t.size(0), t.size(2) * t.size(3), t.size(1));  // [N][HW][C] -> [N][C][HW]
+  return out;
+}
+
+void copy_from_nchw(at::Tensor& dst, const at::Tensor& src) {
+  if (dst.is_contiguous()) dst.copy_(src);
+  else if (dst.is_contiguous(at::MemoryFormat::ChannelsLast))
+    transpose(src, dst, src.size(0), src.size(1), src.size(2) * src.size(3));  // [N][C][HW] -> [N][HW][C]
+  else dst.copy_(src);
+}
+
+}  // namespace lkcnn
