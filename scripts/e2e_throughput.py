@@ -3,6 +3,7 @@ PyTorch's convolution vs the same net with 3x3 kernels: the numbers behind docs/
 (The Hydra/Lightning route is `python train.py model=replknet31b data=synthetic ...`; this script needs neither.)
 
     python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last] [--compile] [--repeat 3]
+    python scripts/e2e_throughput.py --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch.nn.functional as F
 import lkcnn  # noqa: F401  registers the models
 
 
-def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
-                 **model_kwargs) -> float:
+def setup(impl: str, batch: int, channels_last: bool, compile: bool, **model_kwargs):
+    """(train step, its state) for one variant: RepLKNet-31B, AdamW, synthetic batch, bf16 autocast."""
     os.environ["LKCNN_CONV_IMPL"] = impl
     model = timm.create_model("replknet31b", **model_kwargs).cuda()
     if channels_last:
@@ -32,22 +33,55 @@ def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: 
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
-    for i in range(warmup + steps):
-        if i == warmup:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
+
+    def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return step, (model, opt, x, y)
+
+
+def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+                 **model_kwargs) -> float:
+    step, state = setup(impl, batch, channels_last, compile, **model_kwargs)
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        step()
     torch.cuda.synchronize()
     images_per_s = batch * steps / (time.perf_counter() - start)
     # hand this variant's memory back: a variant run after PyTorch's large-kernel convolution (large workspaces)
     # measured 22% slower on its fragmented cache than in a fresh process
-    del model, opt, x, y, loss
+    del step, state
     torch.cuda.empty_cache()
     return images_per_s
+
+
+def kernel_profile(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+                   top: int = 30, **model_kwargs) -> str:
+    """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first), and
+    the GPU's busy time per step against the wall time per step (a gap is host time the GPU waits for)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, state = setup(impl, batch, channels_last, compile, **model_kwargs)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    events = prof.key_averages()
+    busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    del step, state
+    torch.cuda.empty_cache()
+    table = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70)
+    return f"{table}\nper step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms (kernels, summed)"
 
 
 def main() -> None:
@@ -61,6 +95,8 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=["cuda", "auto", "torch", "cuda3", "torch3"],
                         help="comma list of cuda,auto,torch,cuda3,torch3 (default all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of throughput: GPU time per kernel of each --runs variant over --steps steps")
     args = parser.parse_args()
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
                   compile=args.compile)
@@ -76,6 +112,11 @@ def main() -> None:
     unknown = set(args.runs) - set(variants)
     if unknown:
         parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(variants)}")
+    if args.profile:
+        for k in args.runs:
+            print(f"== {variants[k][0]}")
+            print(kernel_profile(variants[k][1], **common, **variants[k][2]))
+        return
     # rounds of all variants in turn: single runs of one variant spread by 20% and more between calls, so a ratio
     # is read from medians of interleaved runs
     samples: dict[str, list[float]] = {variants[k][0]: [] for k in args.runs}
