@@ -20,32 +20,47 @@ import torch.nn.functional as F
 import lkcnn  # noqa: F401  registers the models
 
 
-def setup(impl: str, batch: int, channels_last: bool, compile: bool, **model_kwargs):
-    """(train step, its state) for one variant: RepLKNet-31B, AdamW, synthetic batch, bf16 autocast."""
+def setup(impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph: bool = False, **model_kwargs):
+    """(train step, its state) for one variant: RepLKNet-31B, AdamW, synthetic batch, bf16 autocast. With
+    cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays it: no host
+    time per step, so the GPU's own time per step is what is measured."""
     os.environ["LKCNN_CONV_IMPL"] = impl
     model = timm.create_model("replknet31b", **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if compile:
         model.compile()  # as the training app's `compile=true` does; the warm-up steps absorb the compilation
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=cuda_graph)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        # autocast's weight-cast cache must be off under capture (cached casts would outlive the graph's pool)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cuda_graph):
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return step, (model, opt, x, y)
+    if not cuda_graph:
+        return step, (model, opt, x, y)
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay, (model, opt, x, y, graph)
 
 
 def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
-                 **model_kwargs) -> float:
-    step, state = setup(impl, batch, channels_last, compile, **model_kwargs)
+                 cuda_graph: bool = False, **model_kwargs) -> float:
+    step, state = setup(impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.synchronize()
@@ -61,12 +76,13 @@ def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: 
 
 
 def kernel_profile(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
-                   top: int = 30, **model_kwargs) -> str:
+                   cuda_graph: bool = False, top: int = 30, **model_kwargs) -> str:
     """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first), and
     the GPU's busy time per step against the wall time per step (a gap is host time the GPU waits for)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    step, state = setup(impl, batch, channels_last, compile, **model_kwargs)
+    step, state = setup(impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -77,7 +93,8 @@ def kernel_profile(impl: str, batch: int, steps: int, warmup: int, channels_last
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
     events = prof.key_averages()
-    busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    # kernels only: operator rows carry their kernels' time too
+    busy_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
     del step, state
     torch.cuda.empty_cache()
     table = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70)
@@ -95,11 +112,13 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=["cuda", "auto", "torch", "cuda3", "torch3"],
                         help="comma list of cuda,auto,torch,cuda3,torch3 (default all)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture each variant's whole training step in a CUDA graph and replay it (GPU time only)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of throughput: GPU time per kernel of each --runs variant over --steps steps")
     args = parser.parse_args()
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
-                  compile=args.compile)
+                  compile=args.compile, cuda_graph=args.cuda_graph)
     small = dict(kernel_sizes=3, small_kernel=0)  # small_kernel=0 drops the branch (timm drops None-valued keywords)
     variants = {  # key: (label, LKCNN_CONV_IMPL, model keywords)
         "cuda": ("lkcnn kernels, 31-29-27-13 + 5x5", "cuda", {}),
@@ -124,7 +143,8 @@ def main() -> None:
         for k in args.runs:
             samples[variants[k][0]].append(images_per_s(variants[k][1], **common, **variants[k][2]))
     runs = {name: statistics.median(values) for name, values in samples.items()}
-    mode = ("compiled, " if args.compile else "") + ("channels_last, " if args.channels_last else "")
+    mode = ("compiled, " if args.compile else "") + ("channels_last, " if args.channels_last else "") + (
+        "CUDA graph, " if args.cuda_graph else "")
     print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {mode}{torch.cuda.get_device_name()}")
     for name, ips in runs.items():
         each = f"  (runs: {', '.join(f'{v:.1f}' for v in samples[name])})" if args.repeat > 1 else ""
@@ -132,7 +152,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "compile": args.compile,
-                       "channels_last": args.channels_last, "images_per_s": runs, "runs": samples}, f, indent=1)
+                       "channels_last": args.channels_last, "cuda_graph": args.cuda_graph, "images_per_s": runs,
+                       "runs": samples}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Nsight Compute report of the lkcnn kernels on one shape (default: seed (64,384,32,32) k31 fp32), for the notes in
 # docs/performance.md. Usage on the GPU machine: bash scripts/profile.sh [N C H W K DTYPE]   (writes $OUT/ncu.txt)
+# NCU_KERNELS (default: every lkcnn kernel) picks kernels by regex, NCU_EXTRA adds ncu arguments (e.g. --metrics ...).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
 read -r N C H W K DT <<<"${*:-64 384 32 32 31 float32}"
-ncu --clock-control none --kernel-name regex:dwconv --launch-skip 3 --launch-count 3 \
+ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-dwconv}" --launch-skip 3 --launch-count 3 ${NCU_EXTRA:-} \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats \
     --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
     python3 - "$N" "$C" "$H" "$W" "$K" "$DT" >"$OUT/ncu.txt" 2>&1 <<'PY'
