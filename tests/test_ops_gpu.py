@@ -129,18 +129,17 @@ def test_benchmark_shapes(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_small_maps(dtype, layout):
-    """The whole-map kernels (maps up to 16x16, fp16/bf16 up to 8 wide, that the kernel mostly covers, batches of 16
-    and more): RepLKNet's s3/s4 stages, batches that leave the last 32-sample block part empty, maps up to 8 and
-    12..16 wide, one row, kernels taller than the map's reach and shorter than the map."""
+    """The whole-map kernels (maps up to 16x16 that the kernel mostly covers, batches of 16 and more): RepLKNet's
+    s3/s4 stages, batches that leave the last 32-sample block part empty, maps up to 8 and 12..16 wide, one row,
+    kernels taller than the map's reach and shorter than the map; channels_last and strided inputs through their
+    NCHW copies."""
     ext = build.load()
     cases = [((64, 8, 14, 14), (27, 27)), ((64, 8, 7, 7), (13, 13)), ((17, 3, 7, 7), (13, 13)),
              ((45, 5, 16, 16), (31, 31)), ((33, 2, 9, 13), (11, 21)), ((16, 3, 1, 7), (3, 13)),
-             ((40, 2, 16, 8), (63, 15)), ((20, 4, 12, 12), (7, 23))]
+             ((40, 2, 16, 8), (63, 15)), ((20, 4, 12, 12), (7, 23)), ((17, 16, 16, 16), (31, 31))]
     for (n, c, h, w), (kh, kw) in cases:
-        if not ext.small_map(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw):
-            # fp16/bf16 maps wider than 8 stay on the tensor-core kernels; every other case must take this path
-            assert dtype != torch.float32 and w > 8, f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
-            continue
+        assert ext.small_map(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw), \
+            f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
         check_case(n, c, h, w, kh, kw, dtype, layout, bias=random.random() < 0.5)
 
 
