@@ -11,47 +11,72 @@
 namespace lkcnn {
 namespace {
 
-constexpr int kTile = 32;  // a tile is kTile x kTile elements
+constexpr int kTile = 32;  // threadIdx.x; a tile is kTile * V elements square
 constexpr int kRows = 8;   // threadIdx.y: rows of the tile per pass
 
+// V consecutive elements moved as one access (4 or 8 bytes for V = 2).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
 // dst[b][s][r] = src[b][r][s] for B matrices of R x S elements; blockIdx.x picks the tile, blockIdx.y the matrix
-// (striding by gridDim.y past 65535 matrices).
-template <typename T>
+// (striding by gridDim.y past 65535 matrices). Each thread moves V consecutive elements per access: V = 2 (R and S
+// even) halves the memory instructions and doubles the tile, whose 2,048-byte tiles of 16-bit elements ran at ~1.5
+// TB/s with V = 1 (docs/performance.md v18, v22).
+template <typename T, int V>
 __global__ void __launch_bounds__(kTile * kRows) transpose_kernel(const T* __restrict__ src, T* __restrict__ dst,
                                                                   int64_t B, int64_t R, int64_t S) {
-  __shared__ T tile[kTile][kTile + 1];  // +1: the column reads of the second phase hit distinct banks
-  const int64_t tiles_s = (S + kTile - 1) / kTile;
-  const int64_t r0 = blockIdx.x / tiles_s * kTile, s0 = blockIdx.x % tiles_s * kTile;
-  const int tx = threadIdx.x;
+  constexpr int TT = kTile * V, passes = TT / kRows;
+  __shared__ __align__(16) T tile[TT][TT + V];  // +V: the column reads of the second phase spread over the banks
+  const int64_t tiles_s = (S + TT - 1) / TT;
+  const int64_t r0 = blockIdx.x / tiles_s * TT, s0 = blockIdx.x % tiles_s * TT;
+  const int col = threadIdx.x * V;
   for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
     const T* in = src + b * R * S;
     T* out = dst + b * R * S;
-    T v[kTile / kRows];  // all loads of a pass in flight before the first store (one at a time ran at ~1 TB/s)
+    Vec<T, V> v[passes] = {};  // all loads of a pass in flight before the first store (one at a time ran at ~1 TB/s)
+    const T* p = in + (r0 + threadIdx.y) * S + s0 + col;
 #pragma unroll
-    for (int k = 0; k < kTile / kRows; ++k) {
-      const int i = threadIdx.y + k * kRows;
-      v[k] = r0 + i < R && s0 + tx < S ? in[(r0 + i) * S + s0 + tx] : T(0);
-    }
+    for (int k = 0; k < passes; ++k, p += kRows * S)
+      if (r0 + threadIdx.y + k * kRows < R && s0 + col < S) v[k] = *reinterpret_cast<const Vec<T, V>*>(p);
 #pragma unroll
-    for (int k = 0; k < kTile / kRows; ++k) tile[threadIdx.y + k * kRows][tx] = v[k];
+    for (int k = 0; k < passes; ++k)
+#pragma unroll
+      for (int j = 0; j < V; ++j) tile[threadIdx.y + k * kRows][col + j] = v[k].v[j];
     __syncthreads();
+    T* q = out + (s0 + threadIdx.y) * R + r0 + col;
 #pragma unroll
-    for (int k = 0; k < kTile / kRows; ++k) {
+    for (int k = 0; k < passes; ++k, q += kRows * R) {
       const int i = threadIdx.y + k * kRows;
-      if (s0 + i < S && r0 + tx < R) out[(s0 + i) * R + r0 + tx] = tile[tx][i];
+      if (s0 + i < S && r0 + col < R) {
+        Vec<T, V> o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) o.v[j] = tile[col + j][i];
+        *reinterpret_cast<Vec<T, V>*>(q) = o;
+      }
     }
     __syncthreads();
   }
 }
 
-template <typename T>
+template <typename T, int V>
 void run_transpose(const at::Tensor& src, at::Tensor& dst, int64_t B, int64_t R, int64_t S) {
-  const int64_t tiles = (R + kTile - 1) / kTile * ((S + kTile - 1) / kTile);
+  constexpr int TT = kTile * V;
+  const int64_t tiles = (R + TT - 1) / TT * ((S + TT - 1) / TT);
   TORCH_CHECK(tiles < INT32_MAX, "lkcnn: map too large for one transpose launch");
   const dim3 grid(unsigned(tiles), unsigned(std::min<int64_t>(B, 65535)));
-  transpose_kernel<T><<<grid, dim3(kTile, kRows), 0, at::cuda::getCurrentCUDAStream()>>>(
+  transpose_kernel<T, V><<<grid, dim3(kTile, kRows), 0, at::cuda::getCurrentCUDAStream()>>>(
       src.const_data_ptr<T>(), dst.mutable_data_ptr<T>(), B, R, S);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void run_transpose(const at::Tensor& src, at::Tensor& dst, int64_t B, int64_t R, int64_t S) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0; };
+  if (R % 2 == 0 && S % 2 == 0 && aligned(src.const_data_ptr()) && aligned(dst.const_data_ptr()))
+    return run_transpose<T, 2>(src, dst, B, R, S);
+  run_transpose<T, 1>(src, dst, B, R, S);
 }
 
 // dst = src as B matrices of R x S elements transposed; both dense in memory (any logical layout).
