@@ -149,8 +149,8 @@ void run_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, a
   const int64_t blocks = (g.N * g.C + t.PB - 1) / t.PB * t.tiles_w * t.tiles_h;
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
   const int smem = int(sizeof(float)) * t.PB * (t.IR * t.XLD + t.WR * t.KWp);
-  auto kernel = dwconv_fwd_kernel<T, U, V>;
-  allow_dynamic_smem(kernel, smem);
+  constexpr auto kernel = dwconv_fwd_kernel<T, U, V>;
+  allow_dynamic_smem<kernel>(smem);
   const dim3 block(t.TX, t.TY, t.PB);
   kernel<<<unsigned(blocks), block, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,

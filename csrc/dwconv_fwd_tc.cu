@@ -141,8 +141,8 @@ void run_fwd_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias
   const int64_t blocks = (g.N + t.n_per_block - 1) / t.n_per_block * g.C * t.tiles_w * t.tiles_h;
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
   const int smem = t.PB * t.IR * t.XLD * 2 + g.kh * t.QL * 4;
-  auto kernel = dwconv_fwd_tc_kernel<T, NB, S>;
-  allow_dynamic_smem(kernel, smem);
+  constexpr auto kernel = dwconv_fwd_tc_kernel<T, NB, S>;
+  allow_dynamic_smem<kernel>(smem);
   kernel<<<unsigned(blocks), 32 * t.MT * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
       y.mutable_data_ptr<T>(), g, t);

@@ -226,8 +226,8 @@ template <typename T, int MW>
 void run_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                    const ConvGeom& g) {
   const int smem = fwd_smem<MW>(g.H);
-  auto kernel = dwconv_fwd_small_kernel<T, MW>;
-  allow_dynamic_smem(kernel, smem);
+  constexpr auto kernel = dwconv_fwd_small_kernel<T, MW>;
+  allow_dynamic_smem<kernel>(smem);
   kernel<<<unsigned(blocks_for(g)), 32 * ceil_div(g.H, kRows), smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
       y.mutable_data_ptr<T>(), g);
@@ -237,8 +237,8 @@ void run_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 template <typename T, int MW>
 void run_wgrad_small(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
   const int smem = wgrad_smem<MW>(g.H);
-  auto kernel = dwconv_wgrad_small_kernel<T, MW>;
-  allow_dynamic_smem(kernel, smem);
+  constexpr auto kernel = dwconv_wgrad_small_kernel<T, MW>;
+  allow_dynamic_smem<kernel>(smem);
   const int rows = 2 * std::min(g.ph, g.H - 1) + 1;  // kernel rows that meet the map
   kernel<<<unsigned(blocks_for(g)), 32 * std::min(rows, 8), smem, at::cuda::getCurrentCUDAStream()>>>(
       dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g);

@@ -180,8 +180,8 @@ void run_wgrad(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const 
   const WgradTile t = plan_wgrad(g, num_sms);
   const int64_t splits = (t.items + t.items_per_block - 1) / t.items_per_block;
   const int smem = t.S * slot_bytes(t.PH, g.W, g.kh, g.kw);
-  auto kernel = dwconv_wgrad_kernel<T, kU, kV>;
-  allow_dynamic_smem(kernel, smem);
+  constexpr auto kernel = dwconv_wgrad_kernel<T, kU, kV>;
+  allow_dynamic_smem<kernel>(smem);
   TORCH_CHECK(g.C < INT32_MAX, "lkcnn dwconv2d: too many channels for one launch");
   const dim3 grid(unsigned(g.C), unsigned(splits));
   kernel<<<grid, t.G * t.S, smem, at::cuda::getCurrentCUDAStream()>>>(

@@ -186,8 +186,8 @@ void run_wgrad_tc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, con
   const WgradTcTile t = plan_wgrad_tc(g, NB, num_sms);
   const int64_t splits = (t.items + t.items_per_block - 1) / t.items_per_block;
   const int smem = t.PB * t.slot_bytes;
-  auto kernel = dwconv_wgrad_tc_kernel<T, NB, SC>;
-  allow_dynamic_smem(kernel, smem);
+  constexpr auto kernel = dwconv_wgrad_tc_kernel<T, NB, SC>;
+  allow_dynamic_smem<kernel>(smem);
   TORCH_CHECK(g.C < INT32_MAX, "lkcnn dwconv2d: too many channels for one launch");
   kernel<<<dim3(unsigned(g.C), unsigned(splits)), 32 * t.MT * t.PS * t.PB, smem, at::cuda::getCurrentCUDAStream()>>>(
       dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g, t);

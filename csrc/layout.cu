@@ -101,8 +101,7 @@ at::Tensor to_nchw(const at::Tensor& t) {
 }
 
 void copy_from_nchw(at::Tensor& dst, const at::Tensor& src) {
-  if (dst.is_contiguous()) dst.copy_(src);
-  else if (dst.is_contiguous(at::MemoryFormat::ChannelsLast))
+  if (!dst.is_contiguous() && dst.is_contiguous(at::MemoryFormat::ChannelsLast))
     transpose(src, dst, src.size(0), src.size(1), src.size(2) * src.size(3));  // [N][C][HW] -> [N][HW][C]
   else dst.copy_(src);
 }

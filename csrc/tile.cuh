@@ -90,14 +90,18 @@ __device__ __forceinline__ void zero_smem(void* dst, int bytes, int tid, int nth
   for (int i = tid; i < bytes / 16; i += nthr) p[i] = make_uint4(0, 0, 0, 0);
 }
 
-// Before launching `kernel` with `bytes` of dynamic shared memory: a kernel must opt in where its dynamic and static
-// shared memory together exceed 48 KB (counting only the dynamic part failed a launch with 160 static bytes).
-template <typename Kernel>
-void allow_dynamic_smem(Kernel kernel, int bytes) {
-  cudaFuncAttributes attr;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (bytes + attr.sharedSizeBytes > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+// Before launching Kernel with `bytes` of dynamic shared memory: a kernel must opt in where its dynamic and static
+// shared memory together exceed 48 KB (counting only the dynamic part failed a launch with 160 static bytes). The
+// static size is asked once per kernel, not at every launch (the training step is bound by host time).
+template <auto Kernel>
+void allow_dynamic_smem(int bytes) {
+  static const int static_bytes = [] {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
+    return int(attr.sharedSizeBytes);
+  }();
+  if (bytes + static_bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 }  // namespace lkcnn
