@@ -129,7 +129,7 @@ def test_benchmark_shapes(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_small_maps(dtype, layout):
-    """The whole-map kernels (maps up to 16x16 that the kernel mostly covers, batches of 16 and more): RepLKNet's
+    """The whole-map kernels for maps up to 16x16 (that the kernel mostly covers, batches of 16 and more): RepLKNet's
     s3/s4 stages, batches that leave the last 32-sample block part empty, maps up to 8 and 12..16 wide, one row,
     kernels taller than the map's reach and shorter than the map; channels_last and strided inputs through their
     NCHW copies."""
@@ -141,6 +141,25 @@ def test_small_maps(dtype, layout):
         assert ext.small_map(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw), \
             f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
         check_case(n, c, h, w, kh, kw, dtype, layout, bias=random.random() < 0.5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_wide_maps(layout):
+    """The fp32 whole-map kernels for maps 17-32 wide (seed 32x32 with 31x31, RepLKNet's s2 28x28 with 29x29): rows
+    of 28 and 32 columns, maps narrower than that, a map taller than wide whose weight gradient stages grad_out in
+    chunks of rows (32 rows), a rectangular kernel, batches that leave the last 32-sample block part empty; fp16/bf16
+    stay on the tensor-core kernels at these sizes."""
+    ext = build.load()
+    cases = [((40, 3, 32, 32), (31, 31)), ((33, 4, 28, 28), (29, 29)), ((16, 2, 30, 29), (31, 27)),
+             ((20, 3, 32, 24), (5, 31)), ((17, 2, 21, 27), (27, 25)), ((64, 2, 32, 32), (31, 31))]
+    for (n, c, h, w), (kh, kw) in cases:
+        x = torch.empty(n, c, h, w, device="cuda")
+        assert ext.small_map(x, kw), f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
+        assert not ext.small_map(x.bfloat16(), kw) and not ext.small_map(x.half(), kw)
+        check_case(n, c, h, w, kh, kw, torch.float32, layout, bias=random.random() < 0.5)
+    # kernels wider than 31 and mostly padded column pairs go to the banded kernels
+    assert not ext.small_map(torch.empty(32, 1, 32, 32, device="cuda"), 33)
+    assert not ext.small_map(torch.empty(32, 1, 32, 32, device="cuda"), 9)
 
 
 def test_64bit_indexing():
