@@ -36,6 +36,10 @@ def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
         wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device).normal_()
         wide[..., ::2] = t
         return wide[..., ::2]
+    if layout == "offset":  # contiguous, but its storage starts one element in: pointers not 16-byte aligned
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        buf[1:].copy_(t.flatten())
+        return buf[1:].view(t.shape)
     return t.contiguous()
 
 
@@ -99,6 +103,15 @@ def test_map_sizes(shape, k, dtype):
     """Maps smaller than the kernel (7x7 with 13x13 and 31x31), single pixels, thin and large maps (several tiles
     per map; weight-gradient items of a part of a map's rows at 112x112), batch 1."""
     check_case(*shape, k, k, dtype, random.choice(LAYOUTS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unaligned_storage(dtype):
+    """Contiguous tensors whose data starts one element past an aligned address: kernels that move 8-16 bytes per
+    access (the 16-bit weight gradient's staging, the whole-map forward's stores, the transposes) must fall back to
+    narrower accesses instead of faulting or misreading."""
+    for shape, k in [((4, 3, 32, 32), 31), ((2, 2, 28, 28), 29), ((32, 2, 14, 14), 27), ((40, 2, 32, 32), 31)]:
+        check_case(*shape, k, k, dtype, "offset")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
