@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -103,6 +104,67 @@ inline void check_tensor_cores() {
 inline int tc_ld(int cols) {
   const int units = (cols + 7) / 8;
   return 8 * (units % 2 == 0 ? units + 1 : units);
+}
+
+// Staging of the tiles: the kernels get NCHW-contiguous tensors (bindings.cpp copies other layouts), so a staging
+// access moves V elements of a row (16 bytes for V = 8), with its index arithmetic once per access. Copying element
+// by element spent most of the weight gradient's instructions on index arithmetic (docs/performance.md v9, v24).
+
+// v[0 .. V) = p[0 .. V) in one access of 2V bytes (p aligned to it).
+template <int V, typename T>
+__device__ __forceinline__ void load_vec(T (&v)[V], const T* p) {
+  static_assert(sizeof(T) == 2, "16-bit storage types");
+  if constexpr (V == 8) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
+  else if constexpr (V == 4) *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
+  else if constexpr (V == 2) *reinterpret_cast<uint32_t*>(v) = *reinterpret_cast<const uint32_t*>(p);
+  else v[0] = *p;
+}
+
+// dst(z, r)[j] = src(z, r)[j] for j < cols, every row r < rows of planes z < planes, or zeros where src(z, r) is
+// null; shared among nthr threads. src(z, r) - lead is aligned to V elements (lead < V: a box starting inside a
+// vector), and rows are readable from there up to the next multiple of V past cols; destinations need no alignment
+// (staged columns are offset by the padding), so stores go element by element. One access per thread at a time:
+// batching several took the weight gradient from 63 to 100-190 registers.
+template <int V, typename T, typename Src, typename Dst>
+__device__ __forceinline__ void copy_rows(int planes, int rows, int cols, int lead, int tid, int nthr, Src src,
+                                          Dst dst) {
+  const int vc = (lead + cols + V - 1) / V, per_plane = rows * vc;
+  for (int u = tid; u < planes * per_plane; u += nthr) {
+    const int z = u / per_plane, rem = u - z * per_plane, r = rem / vc, j0 = (rem - r * vc) * V - lead;
+    const T* s = src(z, r);
+    T v[V] __attribute__((aligned(16)));
+    if (s != nullptr) load_vec<V>(v, s + j0);
+    else
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = T(0.f);
+    T* d = dst(z, r) + j0;
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      if (j0 + e >= 0 && j0 + e < cols) d[e] = v[e];
+  }
+}
+
+// The widest access (8, 4 or 2 elements, else 1) that t's rows allow: t is NCHW-contiguous (checked), its width and
+// plane, channel and sample strides multiples of V, its data aligned to 2V bytes.
+inline int row_vector(const at::Tensor& t) {
+  TORCH_CHECK(t.stride(3) == 1, "lkcnn dwconv2d: the tensor-core kernels take tensors with contiguous rows");
+  const auto ptr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  for (const int v : {8, 4, 2})
+    if (t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 && t.stride(0) % v == 0 &&
+        ptr % (2 * v) == 0)
+      return v;
+  return 1;
+}
+
+// f(std::integral_constant<int, V>{}) for the runtime V (8, 4, 2 or 1).
+template <typename F>
+__device__ __forceinline__ void with_vector(int v, F f) {
+  switch (v) {
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
 }
 
 }  // namespace lkcnn

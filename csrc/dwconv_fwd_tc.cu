@@ -2,7 +2,7 @@
 //
 // One block computes an output tile of 16*MT rows x 8*NB columns of one channel for a range of samples, PB planes
 // per round. The input strip of each plane is staged in shared memory in the storage type (the padding zeroed once
-// per block), the channel's kernel as Toeplitz pairs. Warp (plane z, row tile mt) owns 16 output rows x 8*NB columns
+// per block, the in-map box copied by row vectors), the channel's kernel as Toeplitz pairs. Warp (plane z, row tile mt) owns 16 output rows x 8*NB columns
 // in fp32 accumulators and, for every kernel row i whose input rows meet the map, runs band_mma (S band steps of 16
 // columns, 16S >= kw + 7) over the steps whose columns meet the map: kernel rows and band steps entirely in the
 // padding are skipped per warp.
@@ -28,6 +28,7 @@ struct FwdTcTile {
   int TW, TH, tiles_w, tiles_h;
   int IR, XLD;       // staged input rows, row stride (elements)
   int QL;            // Toeplitz pairs per kernel row
+  int V;             // elements per staging access at most (row_vector)
   int64_t n_per_block;
 };
 
@@ -58,7 +59,8 @@ __global__ void __launch_bounds__(256, 3) dwconv_fwd_tc_kernel(const T* __restri
   }
   const int r_a = max(0, g.ph - p0), r_b = min(t.IR, int(g.H) + g.ph - p0);
   const int j_a = max(0, g.pw - q0), j_b = min(band_cols(NB, S), int(g.W) + g.pw - q0);
-  const T* xc = x + c * g.xs_c + int64_t(p0 - g.ph + r_a) * g.xs_h + int64_t(q0 - g.pw + j_a) * g.xs_w;
+  const int col0 = q0 - g.pw + j_a;  // the box's first input column
+  const T* xc = x + c * g.xs_c + int64_t(p0 - g.ph + r_a) * g.xs_h + col0;
   T* sbox = sx + r_a * t.XLD + j_a;
 
   const int warp = tid / 32, lane = tid % 32;
@@ -79,10 +81,12 @@ __global__ void __launch_bounds__(256, 3) dwconv_fwd_tc_kernel(const T* __restri
   for (int64_t n0 = n_begin; n0 < n_end; n0 += t.PB) {
     const int planes = int(min(int64_t(t.PB), n_end - n0));
     __syncthreads();  // the zeroing is done / the previous round's planes are consumed
-    box_loop<4>(
-        planes, r_b - r_a, j_b - j_a, tid, nthr,
-        [&](int zz, int r, int j) { return xc[(n0 + zz) * g.xs_n + r * g.xs_h + j * g.xs_w]; },
-        [&](int zz, int r, int j, T v) { sbox[zz * plane_elems + r * t.XLD + j] = v; });
+    with_vector(t.V, [&](auto v) {  // accesses from the aligned column at or before col0
+      copy_rows<decltype(v)::value, T>(
+          planes, r_b - r_a, j_b - j_a, col0 % decltype(v)::value, tid, nthr,
+          [&](int zz, int r) { return xc + (n0 + zz) * g.xs_n + r * g.xs_h; },
+          [&](int zz, int r) { return sbox + zz * plane_elems + r * t.XLD; });
+    });
     __syncthreads();
     if (z >= planes || pm >= g.H) continue;
 
@@ -137,7 +141,8 @@ FwdTcTile plan_fwd_tc(const ConvGeom& g, int NB, int S, int num_sms) {
 template <typename T, int NB, int S>
 void run_fwd_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y, const ConvGeom& g) {
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const FwdTcTile t = plan_fwd_tc(g, NB, S, num_sms);
+  FwdTcTile t = plan_fwd_tc(g, NB, S, num_sms);
+  t.V = row_vector(x);
   const int64_t blocks = (g.N + t.n_per_block - 1) / t.n_per_block * g.C * t.tiles_w * t.tiles_h;
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
   const int smem = t.PB * t.IR * t.XLD * 2 + g.kh * t.QL * 4;

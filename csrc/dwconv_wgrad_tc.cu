@@ -32,54 +32,35 @@ struct WgradTcTile {
   int XR, XLD;         // staged x rows, row stride (elements)
   int QL;              // Toeplitz pairs per dy row
   int slot_bytes, x_bytes, part_floats;
-  int V;               // elements per staging access (8, 4, 2 or 1: what the rows' alignment allows)
+  int V;               // elements per staging access (row_vector)
   int64_t items, items_per_block;
 };
 
-// v[0 .. V) = p[0 .. V) with one access of 2V bytes (V > 1: p is aligned to it and rows are contiguous).
-template <int V, typename T>
-__device__ __forceinline__ void load_vec(T (&v)[V], const T* p) {
-  static_assert(sizeof(T) == 2, "16-bit storage types");
-  if constexpr (V == 8) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
-  else if constexpr (V == 4) *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
-  else if constexpr (V == 2) *reinterpret_cast<uint32_t*>(v) = *reinterpret_cast<const uint32_t*>(p);
-  else v[0] = *p;
-}
-
 // Copy one round's tiles: slot k gets x rows pa - ph + r_a + r (r < rows) at columns j < cols (zeros for rows
 // outside the map) and dy rows pa + p (p < PH) as Toeplitz pairs, word j + 7 = (dy[j - 1], dy[j]) for j <= W
-// (zeros past the map). Each access moves V elements of a row: the element-by-element box loop spent most of the
-// kernel's instructions on index arithmetic (docs/performance.md v9, v24). One access per thread at a time: batching
-// several (as box_loop does) took the kernels from 63 to 100-190 registers.
+// (zeros past the map); a dy access of V elements yields V pairs from registers and the element before it.
 template <int V, typename T>
 __device__ __forceinline__ void stage_round(unsigned char* smem, const T* __restrict__ x, const T* __restrict__ dy,
                                             const int64_t* x_off, const int64_t* dy_off, const int* pa_of, int items,
                                             int r_a, int rows, int cols, const ConvGeom& g, const WgradTcTile& t,
                                             int tid, int nthr) {
-  const int vx = (cols + V - 1) / V;  // cols <= W and W % V == 0: the last access stays in the row
-  for (int u = tid; u < items * rows * vx; u += nthr) {
-    const int k = u / (rows * vx), rem = u - k * rows * vx, r = rem / vx, j0 = (rem - r * vx) * V;
-    const int row = pa_of[k] - g.ph + r_a + r;
-    T v[V] __attribute__((aligned(16)));
-    if (row >= 0 && row < g.H) load_vec<V>(v, x + x_off[k] + int64_t(row) * g.ys_h + int64_t(j0) * g.ys_w);
-    else
-#pragma unroll
-      for (int e = 0; e < V; ++e) v[e] = T(0.f);
-    T* dst = reinterpret_cast<T*>(smem + k * t.slot_bytes) + (r + r_a) * t.XLD + g.pw + j0;
-#pragma unroll
-    for (int e = 0; e < V; ++e)
-      if (j0 + e < cols) dst[e] = v[e];
-  }
+  copy_rows<V, T>(
+      items, rows, cols, 0, tid, nthr,
+      [&](int k, int r) -> const T* {
+        const int row = pa_of[k] - g.ph + r_a + r;
+        return row >= 0 && row < g.H ? x + x_off[k] + int64_t(row) * g.ys_h : nullptr;
+      },
+      [&](int k, int r) { return reinterpret_cast<T*>(smem + k * t.slot_bytes) + (r + r_a) * t.XLD + g.pw; });
 
   const int vd = g.W / V;
   for (int u = tid; u < items * t.PH * vd; u += nthr) {
     const int k = u / (t.PH * vd), rem = u - k * t.PH * vd, p = rem / vd, j0 = (rem - p * vd) * V;
-    const T* d = dy + dy_off[k] + int64_t(p) * g.xs_h + int64_t(j0) * g.xs_w;
+    const T* d = dy + dy_off[k] + int64_t(p) * g.xs_h + j0;
     T v[V] __attribute__((aligned(16)));
     T prev = T(0.f);
     if (p < int(g.H) - pa_of[k]) {
       load_vec<V>(v, d);
-      if (j0 > 0) prev = d[-g.xs_w];
+      if (j0 > 0) prev = d[-1];
     } else {
 #pragma unroll
       for (int e = 0; e < V; ++e) v[e] = T(0.f);
@@ -136,13 +117,10 @@ __global__ void __launch_bounds__(256) dwconv_wgrad_tc_kernel(const T* __restric
       dy_off[tid] = n * g.xs_n + c * g.xs_c + int64_t(pa_of[tid]) * g.xs_h;
     }
     __syncthreads();
-    const int cols = j_b - g.pw;
-    switch (t.V) {
-      case 8: stage_round<8>(smem, x, dy, x_off, dy_off, pa_of, items, r_a, r_b - r_a, cols, g, t, tid, nthr); break;
-      case 4: stage_round<4>(smem, x, dy, x_off, dy_off, pa_of, items, r_a, r_b - r_a, cols, g, t, tid, nthr); break;
-      case 2: stage_round<2>(smem, x, dy, x_off, dy_off, pa_of, items, r_a, r_b - r_a, cols, g, t, tid, nthr); break;
-      default: stage_round<1>(smem, x, dy, x_off, dy_off, pa_of, items, r_a, r_b - r_a, cols, g, t, tid, nthr);
-    }
+    with_vector(t.V, [&](auto v) {
+      stage_round<decltype(v)::value>(smem, x, dy, x_off, dy_off, pa_of, items, r_a, r_b - r_a, j_b - g.pw, g, t, tid,
+                                      nthr);
+    });
     __syncthreads();
     if (z >= items) continue;
     const int pa = pa_of[z];
@@ -224,22 +202,11 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   return t;
 }
 
-// The widest staging access (8, 4 or 2 elements) that contiguous rows, their alignment and the pointers allow; else 1.
-int vector_elems(const ConvGeom& g, const at::Tensor& dy, const at::Tensor& x) {
-  const auto a = reinterpret_cast<uintptr_t>(dy.const_data_ptr()), b = reinterpret_cast<uintptr_t>(x.const_data_ptr());
-  if (g.xs_w != 1 || g.ys_w != 1) return 1;
-  for (const int v : {8, 4, 2})
-    if (g.W % v == 0 && g.xs_h % v == 0 && g.ys_h % v == 0 && g.xs_c % v == 0 && g.ys_c % v == 0 && g.xs_n % v == 0 &&
-        g.ys_n % v == 0 && a % (2 * v) == 0 && b % (2 * v) == 0)
-      return v;
-  return 1;
-}
-
 template <typename T, int NB, int SC>
 void run_wgrad_tc(const at::Tensor& dy, const at::Tensor& x, at::Tensor& dw, const ConvGeom& g) {
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   WgradTcTile t = plan_wgrad_tc(g, NB, num_sms);
-  t.V = vector_elems(g, dy, x);
+  t.V = std::min(row_vector(dy), row_vector(x));
   const int64_t splits = (t.items + t.items_per_block - 1) / t.items_per_block;
   const int smem = t.PB * t.slot_bytes;
   constexpr auto kernel = dwconv_wgrad_tc_kernel<T, NB, SC>;

@@ -1,5 +1,5 @@
 // Helpers shared by the kernels: 16-byte shared-memory loads, staging of a padded tile as fp32 (SIMT kernels),
-// copying a box into shared memory (tensor-core kernels), and the launch-side opt-in to large shared memory.
+// zeroing shared memory, and the launch-side opt-in to large shared memory.
 #pragma once
 
 #include <cstdint>
@@ -54,33 +54,6 @@ __device__ __forceinline__ void stage_tile(float* __restrict__ dst, const T* __r
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
       if (base + k * nthr < total) dst[at[k]] = v[k];
-  }
-}
-
-// For every (z, r, c) of a planes x rows x cols box: store(z, r, c, load(z, r, c)), shared among nthr threads. Each
-// thread keeps kBatch loads in flight before it stores them; indices advance by increments, with no division per
-// element (the tensor-core kernels copy only the in-map part of a tile this way, its padding being zeroed once).
-template <int kBatch, typename Load, typename Store>
-__device__ __forceinline__ void box_loop(int planes, int rows, int cols, int tid, int nthr, Load load, Store store) {
-  const int per_plane = rows * cols, total = planes * per_plane;
-  if (total <= 0) return;
-  int z = tid / per_plane, r = tid % per_plane / cols, c = tid % cols;
-  const int dz = nthr / per_plane, dr = nthr % per_plane / cols, dc = nthr % cols;
-  using V = decltype(load(0, 0, 0));
-  for (int base = tid; base < total; base += kBatch * nthr) {
-    V v[kBatch];
-    int zi[kBatch], ri[kBatch], ci[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      if (base + k * nthr < total) v[k] = load(z, r, c);
-      zi[k] = z; ri[k] = r; ci[k] = c;
-      c += dc; r += dr; z += dz;
-      if (c >= cols) { c -= cols; ++r; }
-      if (r >= rows) { r -= rows; ++z; }
-    }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k)
-      if (base + k * nthr < total) store(zi[k], ri[k], ci[k], v[k]);
   }
 }
 
