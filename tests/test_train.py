@@ -6,6 +6,7 @@ import importlib.util
 import math
 import os
 import random
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
+from lkcnn.training import model_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
@@ -146,6 +148,21 @@ def test_other_optimizers_train_with_the_fused_default(tmp_path, opt):
                    "trainer.limit_val_batches=0")
     train_app.train(cfg)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_users_conv_impl_variable_is_not_replaced_silently(tmp_path, monkeypatch):
+    """LKCNN_CONV_IMPL exported by the user loses to the config's conv_impl, with a warning that names the override;
+    the value an earlier build exported (a multirun's previous job) is not the user's and warns nothing."""
+    model = make_cfg(tmp_path, *tiny("replknet_tiny")).model
+    monkeypatch.setattr(model_factory, "_exported", None)
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "torch")
+    with pytest.warns(UserWarning, match="pass conv_impl=torch"):
+        build_model(model, conv_impl="auto")
+    assert os.environ["LKCNN_CONV_IMPL"] == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_model(model, conv_impl="torch")
+    assert os.environ["LKCNN_CONV_IMPL"] == "torch"
 
 
 def test_model_mistakes_are_config_errors(tmp_path):

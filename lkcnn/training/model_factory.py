@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
 from .errors import ConfigError
 
 CONV_IMPLS = ("auto", "cuda", "torch")
+_exported: str | None = None  # what build_model last wrote to LKCNN_CONV_IMPL (a multirun's earlier job, not the user)
 
 
 def build_model(spec: Mapping[str, Any], conv_impl: str = "auto") -> nn.Module:
@@ -23,8 +25,14 @@ def build_model(spec: Mapping[str, Any], conv_impl: str = "auto") -> nn.Module:
     """
     if conv_impl not in CONV_IMPLS:
         raise ConfigError(f"conv_impl={conv_impl!r} is not one of {', '.join(CONV_IMPLS)}")
-    # the op reads the variable when it runs, so setting it before building covers the whole run
-    os.environ["LKCNN_CONV_IMPL"] = conv_impl
+    # The op reads the variable when it runs, so setting it before building covers the whole run. A value the user
+    # exported is replaced by the config's, so say so (session 6 timed lkcnn for PyTorch's convolution this way).
+    global _exported
+    user = os.environ.get("LKCNN_CONV_IMPL")
+    if user is not None and user != _exported and user.strip().lower() != conv_impl:
+        warnings.warn(f"LKCNN_CONV_IMPL={user} from the environment is replaced by the config's conv_impl={conv_impl}; "
+                      f"pass conv_impl={user.strip().lower()} to train.py to use it", stacklevel=2)
+    os.environ["LKCNN_CONV_IMPL"] = _exported = conv_impl
     kwargs = {key: value for key, value in spec.items() if key != "name"}
     name = spec.get("name")
     if not name or not timm.is_model(name):
