@@ -33,7 +33,7 @@ struct FwdTcTile {
 };
 
 template <typename T, int NB, int S>
-__global__ void __launch_bounds__(256, 4) dwconv_fwd_tc_kernel(const T* __restrict__ x, const float* __restrict__ w,
+__global__ void __launch_bounds__(256, 3) dwconv_fwd_tc_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                                             const float* __restrict__ bias, T* __restrict__ y,
                                                             const ConvGeom g, const FwdTcTile t) {
   extern __shared__ __align__(16) unsigned char smem[];
