@@ -16,8 +16,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
-from lkcnn.training import model_factory
+from lkcnn.training import (
+    ClassificationModule,
+    ConfigError,
+    PathNotFoundError,
+    build_model,
+    model_factory,
+    resolve_ckpt_path,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
