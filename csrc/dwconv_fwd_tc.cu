@@ -2,10 +2,10 @@
 //
 // One block computes an output tile of 16*MT rows x 8*NB columns of one channel for a range of samples, PB planes
 // per round. The input strip of each plane is staged in shared memory in the storage type (the padding zeroed once
-// per block, the in-map box copied by row vectors), the channel's kernel as Toeplitz pairs. Warp (plane z, row tile mt) owns 16 output rows x 8*NB columns
-// in fp32 accumulators and, for every kernel row i whose input rows meet the map, runs band_mma (S band steps of 16
-// columns, 16S >= kw + 7) over the steps whose columns meet the map: kernel rows and band steps entirely in the
-// padding are skipped per warp.
+// per block, the in-map box copied by row vectors), the channel's kernel as Toeplitz pairs. Warp (plane z, row tile
+// mt) owns 16 output rows x 8*NB columns in fp32 accumulators and, for every kernel row i whose input rows meet the
+// map, runs band_mma (S band steps of 16 columns, 16S >= kw + 7) over the steps whose columns meet the map: kernel
+// rows and band steps entirely in the padding are skipped per warp.
 //
 // A non-finite input inside an output's band (at most 16S - K + 7 columns beyond its receptive field) reaches that
 // output through 0 * inf; finite inputs give the exact correlation with fp32 accumulation.
@@ -28,7 +28,7 @@ struct FwdTcTile {
   int TW, TH, tiles_w, tiles_h;
   int IR, XLD;       // staged input rows, row stride (elements)
   int QL;            // Toeplitz pairs per kernel row
-  int V;             // elements per staging access at most (row_vector)
+  int V;             // elements per staging access at most (row_vector; set by the launcher)
   int64_t n_per_block;
 };
 

@@ -153,10 +153,10 @@ __global__ void __launch_bounds__(32 * cols_for(MW).warps) dwconv_fwd_small_kern
   }
   __syncthreads();
   const float* xs = sx + lane * ss;
+  const float bv = bias != nullptr ? bias[c] : 0.f;
 
   if constexpr (ROWS == 1) {  // wide: warps loop over rows w, w + warps, ... (balanced: edge rows reach fewer rows)
     const int64_t n = n0 + lane;
-    const float bv = bias != nullptr ? bias[c] : 0.f;
     for (int p = warp; p < H; p += warps) {
       float acc[1][LD];
 #pragma unroll
@@ -183,7 +183,6 @@ __global__ void __launch_bounds__(32 * cols_for(MW).warps) dwconv_fwd_small_kern
           *reinterpret_cast<float4*>(ys + (p0 + u) * LD + q) = make_float4(acc[u][q], acc[u][q + 1], acc[u][q + 2],
                                                                             acc[u][q + 3]);
     __syncthreads();
-    const float bv = bias != nullptr ? bias[c] : 0.f;
     T* out = y + n0 * g.ys_n + c * g.ys_c;
     const int nn = int(min(int64_t(kLanes), g.N - n0));
     for_positions<LD>(H, [&](int r, int col) {
@@ -290,7 +289,7 @@ int64_t blocks_for(const ConvGeom& g) {
   return blocks;
 }
 
-// Warps for `units` units of work (forward row groups, weight-gradient kernel rows), at most L.warps, spread evenly.
+// Forward warps for `units` groups of output rows: at most L.warps, the groups spread evenly over them.
 int warps_for(int units, const Cols& L) { return ceil_div(units, ceil_div(units, L.warps)); }
 
 template <typename T, int MW>

@@ -32,7 +32,7 @@ struct WgradTcTile {
   int XR, XLD;         // staged x rows, row stride (elements)
   int QL;              // Toeplitz pairs per dy row
   int slot_bytes, x_bytes, part_floats;
-  int V;               // elements per staging access (row_vector)
+  int V;               // elements per staging access (row_vector; set by the launcher, which sees the tensors)
   int64_t items, items_per_block;
 };
 
@@ -193,7 +193,6 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
               "this map width / kernel size is not supported by the CUDA kernel");
   t.chunks = ceil_div(int(g.H), t.PH);
   t.items = g.N * t.chunks;
-  t.V = 1;  // set by the caller, which sees the pointers
   t.PB = int(std::min<int64_t>(t.PB, t.items));
   // About eight blocks per SM, each with a multiple of PB items.
   int64_t splits = std::max<int64_t>(1, (8 * int64_t(num_sms) + g.C - 1) / g.C);
