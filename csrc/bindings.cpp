@@ -38,11 +38,21 @@ void check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const 
               ph, ",", pw);
 }
 
-// Whether x's pass runs on kernels that stage one channel of several samples per block (the whole-map and the
-// tensor-core kernels): those get NCHW copies of channels_last and strided tensors, whose every element would
-// otherwise be a 32-byte sector of its own (1.6-2.2x slower passes, docs/performance.md v16). The fp32 SIMT kernels
-// stage tiles of one sample's map and measured the same in both layouts, so they read any strides directly.
-bool stages_by_channel(const at::Tensor& x, bool small) { return small || x.scalar_type() != at::kFloat; }
+// Which kernels run the passes of x (N, C, H, W) with a kernel kw wide: the whole-map tensor-core kernels (fp16/bf16
+// maps up to 16 x 16), the whole-map FMA kernels (fp32 maps up to 32 x 32 that the kernel mostly covers), or the
+// tiled kernels (SIMT for fp32, banded tensor-core for fp16/bf16).
+enum class Path { map_tc, small, tiled };
+Path path_for(const at::Tensor& x, int64_t kw) {
+  if (map_tc_fits(x)) return Path::map_tc;
+  if (small_map_fits(x, kw)) return Path::small;
+  return Path::tiled;
+}
+
+// Whether x's pass runs on kernels that stage one channel of several samples per block (all but the fp32 tiled
+// ones): those get NCHW copies of channels_last and strided tensors, whose every element would otherwise be a
+// 32-byte sector of its own (1.6-2.2x slower passes, docs/performance.md v16). The fp32 SIMT kernels stage tiles of
+// one sample's map and measured the same in both layouts, so they read any strides directly.
+bool stages_by_channel(const at::Tensor& x, Path path) { return path != Path::tiled || x.scalar_type() != at::kFloat; }
 
 void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor y, int64_t ph,
          int64_t pw) {
@@ -54,13 +64,14 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == x.size(1) && b.device() == x.device(),
                 "lkcnn dwconv2d forward: bias must be a contiguous fp32 (C,) tensor on the input's device");
   }
-  const bool small = small_map_fits(x, w.size(2));
+  const Path path = path_for(x, w.size(2));
   auto launch = [&](const at::Tensor& xi, at::Tensor& yo) {
-    if (small) launch_dwconv_fwd_small(xi, w, b, yo, ph, pw);
+    if (path == Path::map_tc) launch_dwconv_fwd_map_tc(xi, w, b, yo, ph, pw);
+    else if (path == Path::small) launch_dwconv_fwd_small(xi, w, b, yo, ph, pw);
     else if (xi.scalar_type() == at::kFloat) launch_dwconv_fwd(xi, w, b, yo, ph, pw);
     else launch_dwconv_fwd_tc(xi, w, b, yo, ph, pw);
   };
-  if (!stages_by_channel(x, small) || (x.is_contiguous() && y.is_contiguous())) return launch(x, y);
+  if (!stages_by_channel(x, path) || (x.is_contiguous() && y.is_contiguous())) return launch(x, y);
   at::Tensor yc = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
   launch(to_nchw(x), yc);
   copy_from_nchw(y, yc);
@@ -69,13 +80,23 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64_t ph, int64_t pw) {
   check_pair(grad_out, x, "lkcnn dwconv2d weight gradient");
   check_kernel(dw, x.size(1), ph, pw, "lkcnn dwconv2d weight gradient");
-  const bool small = small_map_fits(x, dw.size(2));
-  TORCH_CHECK(small || wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
+  const Path path = path_for(x, dw.size(2));
+  TORCH_CHECK(path != Path::tiled || wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
               "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
-  if (!stages_by_channel(x, small)) return launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
+  if (!stages_by_channel(x, path)) return launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
   const at::Tensor dy_c = to_nchw(grad_out), x_c = to_nchw(x);
-  if (small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
+  if (path == Path::map_tc) launch_dwconv_wgrad_map_tc(dy_c, x_c, dw, ph, pw);
+  else if (path == Path::small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
   else launch_dwconv_wgrad_tc(dy_c, x_c, dw, ph, pw);
+}
+
+// The path's name, for the tests that must know which kernels a case exercises.
+std::string path_name(const at::Tensor& x, int64_t kw) {
+  switch (path_for(x, kw)) {
+    case Path::map_tc: return "map_tc";
+    case Path::small: return "small";
+    default: return "tiled";
+  }
 }
 
 }  // namespace
@@ -89,8 +110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_out"), py::arg("x"), py::arg("dw"), py::arg("ph"), py::arg("pw"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
-  m.def("small_map", &lkcnn::small_map_fits, "whether x (N, C, H, W) with a kernel kw wide runs on the whole-map "
-        "kernels", py::arg("x"), py::arg("kw"));
+  m.def("path", &lkcnn::path_name, "which kernels run x (N, C, H, W) with a kernel kw wide: 'map_tc' (whole-map "
+        "tensor-core), 'small' (whole-map FMA) or 'tiled'", py::arg("x"), py::arg("kw"));
   m.def("sync_batch_norm", &lkcnn::sync_batch_norm,
         "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),

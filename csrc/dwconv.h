@@ -1,8 +1,9 @@
 // Large-kernel depthwise convolution (stride 1, odd kernels, "same" padding): shared declarations.
 //
 // fp32 runs on SIMT kernels (tiles staged in shared memory, FMA pipes); fp16 and bf16 run on tensor-core kernels
-// (compute capability 8.0+, band_mma.cuh); maps up to 32 x 32 that the kernel mostly covers run on whole-map kernels
-// on the FMA pipes (dwconv_small.cu). All accumulate in fp32. Tensors are addressed through explicit strides; the
+// (compute capability 8.0+, band_mma.cuh); fp32 maps up to 32 x 32 that the kernel mostly covers run on whole-map
+// kernels on the FMA pipes (dwconv_small.cu), fp16/bf16 maps up to 16 x 16 on whole-map tensor-core kernels
+// (dwconv_map_tc.cu). All accumulate in fp32. Tensors are addressed through explicit strides; the
 // kernels that stage one channel per block get NCHW copies of other layouts (layout.cu, bindings.cpp).
 #pragma once
 
@@ -47,9 +48,17 @@ void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Te
 void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                             int64_t pw);
 
-// Maps whose rows the kernel mostly covers, batches of at least 16 (up to 16 x 16 in every dtype, up to 32 x 32 in
-// fp32 with kernels up to 31 wide): all three passes on dwconv_small.cu's whole-map kernels, which visit no padded
-// rows and compute only the column pairs within a compile-time reach.
+// fp16/bf16 maps up to 16 x 16: all three passes as dense products of whole rows on the tensor cores
+// (dwconv_map_tc.cu).
+bool map_tc_fits(const at::Tensor& t);
+void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                              int64_t ph, int64_t pw);
+void launch_dwconv_wgrad_map_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
+                                int64_t pw);
+
+// fp32 maps up to 32 x 32 whose rows the kernel mostly covers, batches of at least 16 (kernels up to 31 wide past
+// 16 columns): all three passes on dwconv_small.cu's whole-map kernels, which visit no padded rows and compute only
+// the column pairs within a compile-time reach.
 bool small_map_fits(const at::Tensor& t, int64_t kw);
 void launch_dwconv_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                              int64_t ph, int64_t pw);

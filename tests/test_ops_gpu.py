@@ -142,18 +142,34 @@ def test_benchmark_shapes(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_small_maps(dtype, layout):
-    """The whole-map kernels for maps up to 16x16 (that the kernel mostly covers, batches of 16 and more): RepLKNet's
-    s3/s4 stages, batches that leave the last 32-sample block part empty, maps up to 8 and 12..16 wide, one row,
-    kernels taller than the map's reach and shorter than the map; channels_last and strided inputs through their
-    NCHW copies."""
+    """Maps up to 16x16 (fp32: the whole-map FMA kernels, where the kernel mostly covers the map and the batch is 16
+    or more; fp16/bf16: the whole-map tensor-core kernels): RepLKNet's s3/s4 stages, batches that leave the last
+    32-sample block part empty, maps up to 8 and 12..16 wide, one row, kernels taller than the map's reach and
+    shorter than the map; channels_last and strided inputs through their NCHW copies."""
     ext = build.load()
     cases = [((64, 8, 14, 14), (27, 27)), ((64, 8, 7, 7), (13, 13)), ((17, 3, 7, 7), (13, 13)),
              ((45, 5, 16, 16), (31, 31)), ((33, 2, 9, 13), (11, 21)), ((16, 3, 1, 7), (3, 13)),
              ((40, 2, 16, 8), (63, 15)), ((20, 4, 12, 12), (7, 23)), ((17, 16, 16, 16), (31, 31))]
+    expected = "small" if dtype == torch.float32 else "map_tc"
     for (n, c, h, w), (kh, kw) in cases:
-        assert ext.small_map(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw), \
-            f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
+        assert ext.path(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw) == expected, \
+            f"{(n, c, h, w)} with {kh}x{kw} skips the {expected} kernels"
         check_case(n, c, h, w, kh, kw, dtype, layout, bias=random.random() < 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_map_tc_edges(dtype):
+    """The whole-map tensor-core kernels where the fp32 whole-map kernels do not go: batches under 16 (a part-empty
+    16-sample tile, fewer tiles than warps) and over 8 tiles (warps loop over items), 1 to 16 rows and columns of
+    both parities (4-byte pair accesses or single elements), kernels much smaller than the map, kernels wider than
+    the 31 columns a 16-wide row can reach, 1x1."""
+    ext = build.load()
+    cases = [((1, 3, 16, 16), (31, 31)), ((5, 2, 9, 9), (3, 5)), ((200, 2, 14, 14), (27, 27)),
+             ((130, 3, 13, 15), (13, 9)), ((3, 2, 16, 1), (63, 63)), ((20, 2, 1, 16), (1, 31)),
+             ((18, 2, 11, 6), (21, 61)), ((7, 2, 16, 8), (7, 7)), ((9, 4, 8, 16), (1, 1))]
+    for (n, c, h, w), (kh, kw) in cases:
+        assert ext.path(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw) == "map_tc"
+        check_case(n, c, h, w, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -167,12 +183,12 @@ def test_wide_maps(layout):
              ((20, 3, 32, 24), (5, 31)), ((17, 2, 21, 27), (27, 25)), ((64, 2, 32, 32), (31, 31))]
     for (n, c, h, w), (kh, kw) in cases:
         x = torch.empty(n, c, h, w, device="cuda")
-        assert ext.small_map(x, kw), f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
-        assert not ext.small_map(x.bfloat16(), kw) and not ext.small_map(x.half(), kw)
+        assert ext.path(x, kw) == "small", f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
+        assert ext.path(x.bfloat16(), kw) == ext.path(x.half(), kw) == "tiled"
         check_case(n, c, h, w, kh, kw, torch.float32, layout, bias=random.random() < 0.5)
     # kernels wider than 31 and mostly padded column pairs go to the banded kernels
-    assert not ext.small_map(torch.empty(32, 1, 32, 32, device="cuda"), 33)
-    assert not ext.small_map(torch.empty(32, 1, 32, 32, device="cuda"), 9)
+    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 33) == "tiled"
+    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 9) == "tiled"
 
 
 def test_64bit_indexing():
