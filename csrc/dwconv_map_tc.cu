@@ -64,13 +64,15 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
     const T* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y,
     const ConvGeom g, int tiles, int row_groups, bool vec_in, bool vec_out) {
   extern __shared__ __align__(16) uint2 toe[];  // [kernel row][NB][lane]: the lane's (b0, b1) of that B block
+  float* sw = reinterpret_cast<float*>(toe + g.kh * NB * 32);  // the channel's kernel, staged in one coalesced pass
   const int64_t c = blockIdx.x;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
-  const float* wc = w + c * g.kh * g.kw;
+  for (int u = tid; u < g.kh * g.kw; u += blockDim.x) sw[u] = w[c * g.kh * g.kw + u];
+  __syncthreads();
   for (int u = tid; u < g.kh * NB * 32; u += blockDim.x) {
     // b0 holds B[k][p] for k = 2t, 2t + 1 and p = 8 nb + g, i.e. taps j, j + 1 of kernel row i; b1 those 8 on
     const int i = u / (NB * 32), nb = u / 32 % NB, l = u % 32, j = 2 * (l % 4) - 8 * nb - l / 4 + g.pw;
-    auto tap = [&](int jj) { return jj >= 0 && jj < g.kw ? T(wc[i * g.kw + jj]) : T(0.f); };
+    auto tap = [&](int jj) { return jj >= 0 && jj < g.kw ? T(sw[i * g.kw + jj]) : T(0.f); };
     toe[u] = make_uint2(pack2(tap(j), tap(j + 1)), pack2(tap(j + 8), tap(j + 9)));
   }
   __syncthreads();
@@ -171,10 +173,10 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
           mma16816<T>(acc[nb], xa[qy][0], xa[qy][1], xa[qy][2], xa[qy][3], db[qy - d][nb][0], db[qy - d][nb][1]);
       }
       // acc[nb]: S[q][p] at q = g (+ 8 for the last two), p = 8 nb + 2t (+ 1 for the odd ones), on the diagonals
-      // q - p = g - 2t + (0, -1, 8, 7) - 8 nb; block 1's first pair lies on block 0's last pair's diagonals.
+      // q - p = g - 2t + (0, -1, 8, 7) - 8 nb; block 1's last pair lies on block 0's first pair's diagonals.
       if constexpr (NB == 2) {
-        acc[0][2] += acc[1][0];
-        acc[0][3] += acc[1][1];
+        acc[0][0] += acc[1][2];
+        acc[0][1] += acc[1][3];
       }
       float* row = mine + i * 32 + 16 + gq - 2 * tq;
       add_diagonal(row, acc[0][0], gq, tq);
@@ -182,8 +184,8 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
       add_diagonal(row + 8, acc[0][2], gq, tq);
       add_diagonal(row + 7, acc[0][3], gq, tq);
       if constexpr (NB == 2) {
-        add_diagonal(row - 8, acc[1][2], gq, tq);
-        add_diagonal(row - 9, acc[1][3], gq, tq);
+        add_diagonal(row - 8, acc[1][0], gq, tq);
+        add_diagonal(row - 9, acc[1][1], gq, tq);
       }
     }
   }
@@ -224,7 +226,7 @@ struct FwdCall {
   template <int HM, int NB>
   void run() const {
     constexpr auto kernel = dwconv_fwd_map_tc_kernel<T, HM, NB>;
-    const int smem = int(g.kh * NB * 32 * sizeof(uint2));
+    const int smem = int(g.kh * NB * 32 * sizeof(uint2) + g.kh * g.kw * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
     // every warp busy where the batch has fewer 16-sample tiles than the block has warps
     const int row_groups = std::min(g.H, std::max(1, kWarps / tiles(g)));
