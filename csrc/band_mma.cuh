@@ -32,6 +32,17 @@ __device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
 
+// The same, each matrix transposed: lane 4g + t gets elements (2t, g) and (2t + 1, g) of the stored matrix.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t& r0, uint32_t& r1, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
 // acc += A (16x16, four registers) x B (16x8, two registers), fp32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -110,14 +121,14 @@ inline int tc_ld(int cols) {
 // access moves V elements of a row (16 bytes for V = 8), with its index arithmetic once per access. Copying element
 // by element spent most of the weight gradient's instructions on index arithmetic (docs/performance.md v9, v24).
 
-// v[0 .. V) = p[0 .. V) in one access of 2V bytes (p aligned to it).
+// d[0 .. V) = s[0 .. V) in one access of 2V bytes (both aligned to it).
 template <int V, typename T>
-__device__ __forceinline__ void load_vec(T (&v)[V], const T* p) {
+__device__ __forceinline__ void copy_vec(T* d, const T* s) {
   static_assert(sizeof(T) == 2, "16-bit storage types");
-  if constexpr (V == 8) *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(p);
-  else if constexpr (V == 4) *reinterpret_cast<uint2*>(v) = *reinterpret_cast<const uint2*>(p);
-  else if constexpr (V == 2) *reinterpret_cast<uint32_t*>(v) = *reinterpret_cast<const uint32_t*>(p);
-  else v[0] = *p;
+  if constexpr (V == 8) *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
+  else if constexpr (V == 4) *reinterpret_cast<uint2*>(d) = *reinterpret_cast<const uint2*>(s);
+  else if constexpr (V == 2) *reinterpret_cast<uint32_t*>(d) = *reinterpret_cast<const uint32_t*>(s);
+  else d[0] = s[0];
 }
 
 // dst(z, r)[j] = src(z, r)[j] for j < cols, every row r < rows of planes z < planes, or zeros where src(z, r) is
@@ -133,7 +144,7 @@ __device__ __forceinline__ void copy_rows(int planes, int rows, int cols, int le
     const int z = u / per_plane, rem = u - z * per_plane, r = rem / vc, j0 = (rem - r * vc) * V - lead;
     const T* s = src(z, r);
     T v[V] __attribute__((aligned(16)));
-    if (s != nullptr) load_vec<V>(v, s + j0);
+    if (s != nullptr) copy_vec<V>(v, s + j0);
     else
 #pragma unroll
       for (int e = 0; e < V; ++e) v[e] = T(0.f);

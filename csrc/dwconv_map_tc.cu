@@ -25,24 +25,49 @@
 namespace lkcnn {
 namespace {
 
-constexpr int kWarps = 8;  // per block, both kernels
-constexpr int kCols = 16;  // columns a row is padded to (the mma's K)
+constexpr int kWarps = 8;           // per block, both kernels
+constexpr int kCols = 16;           // columns a row is padded to (the mma's K)
+constexpr int kChunk = 4 * 16;      // samples per block: four 16-sample mma tiles
 
-// x[n][c][r][col] of a tensor read through strides (s_n, s_h, s_w) from the channel's base, or 0 past the batch or
-// the row.
-template <typename T>
-__device__ __forceinline__ T at_or_zero(const T* base, int64_t n, int r, int col, const ConvGeom& g, int64_t s_n,
-                                        int64_t s_h, int64_t s_w) {
-  return n < g.N && col < g.W ? base[n * s_n + r * s_h + col * s_w] : T(0.f);
+// Elements between staged samples: H rows of 16 columns (two 16-byte units each) and one unit more, so that the 8
+// rows of an ldmatrix matrix (8 samples at one row and column half) fall in 8 different bank groups.
+__host__ __device__ constexpr int sample_elems(int H) { return (2 * H + 1) * 8; }
+
+// Rows [0, H) of samples n0 .. n0 + kChunk of one channel (src: the channel's sample 0, NCHW-contiguous rows) to
+// dst as [sample][row][16 columns], zeros past the batch and the row, in accesses of V elements (the host's
+// row_vector: rows and strides multiples of V, so every access is aligned on both sides).
+template <int V, typename T>
+__device__ __forceinline__ void stage_chunk(T* __restrict__ dst, const T* __restrict__ src, int64_t n0,
+                                            const ConvGeom& g, int64_t s_n, int64_t s_h) {
+  constexpr int G = kCols / V;  // V-element groups of a staged row
+  const int per_sample = g.H * G, ss = sample_elems(g.H);
+  for (int u = threadIdx.x; u < kChunk * per_sample; u += blockDim.x) {
+    const int z = u / per_sample, rem = u - z * per_sample, r = rem / G, j = (rem - r * G) * V;
+    T v[V] __attribute__((aligned(16)));
+    if (n0 + z < g.N && j < g.W) {
+      copy_vec<V>(v, src + (n0 + z) * s_n + r * s_h + j);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = T(0.f);
+    }
+    copy_vec<V>(dst + z * ss + r * kCols + j, v);
+  }
 }
 
-// (x[col], x[col + 1]) of sample n's row r as an mma register, zeros past the batch and the row; one 4-byte load
-// where the host found pairs aligned (vec: unit column stride, even width and strides, aligned data).
-template <typename T>
-__device__ __forceinline__ uint32_t row_pair(const T* base, int64_t n, int r, int col, const ConvGeom& g, bool vec) {
-  if (vec) return n < g.N && col < g.W ? *reinterpret_cast<const uint32_t*>(base + n * g.xs_n + r * g.xs_h + col) : 0u;
-  return pack2(at_or_zero(base, n, r, col, g, g.xs_n, g.xs_h, g.xs_w),
-               at_or_zero(base, n, r, col + 1, g, g.xs_n, g.xs_h, g.xs_w));
+// The inverse for the forward's outputs: the staged rows' first W columns to the samples that exist.
+template <int V, typename T>
+__device__ __forceinline__ void store_chunk(T* __restrict__ dst, const T* __restrict__ src, int64_t n0,
+                                            const ConvGeom& g) {
+  const int G = g.W / V, per_sample = g.H * G, ss = sample_elems(g.H);
+  const int samples = int(min(int64_t(kChunk), g.N - n0));
+  for (int u = threadIdx.x; u < samples * per_sample; u += blockDim.x) {
+    const int z = u / per_sample, rem = u - z * per_sample, r = rem / G, j = (rem - r * G) * V;
+    copy_vec<V>(dst + (n0 + z) * g.ys_n + r * g.ys_h + j, src + z * ss + r * kCols + j);
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // *p += the sum of v over the warp's lanes with this lane's g - 2t (so the same p), added by one of them. Lanes l and
@@ -58,15 +83,21 @@ __device__ __forceinline__ void add_diagonal(float* p, float v, int gq, int tq) 
 }
 
 // HM: rows the kernel is compiled for (8 or 16, >= H); NB: 8-column output blocks (1 for maps up to 8 wide, else 2).
-// Warps take (16-sample tile, row group) items; a row group is the output rows rg, rg + row_groups, ...
+// A block takes kChunk samples of one channel; warp w takes tile w % tiles and the output rows w / tiles,
+// w / tiles + groups, ... (groups = kWarps / tiles of the chunk, so each warp has one item).
 template <typename T, int HM, int NB>
 __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
     const T* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y,
-    const ConvGeom g, int tiles, int row_groups, bool vec_in, bool vec_out) {
-  extern __shared__ __align__(16) uint2 toe[];  // [kernel row][NB][lane]: the lane's (b0, b1) of that B block
-  float* sw = reinterpret_cast<float*>(toe + g.kh * NB * 32);  // the channel's kernel, staged in one coalesced pass
-  const int64_t c = blockIdx.x;
+    const ConvGeom g, int V) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int H = g.H, ss = sample_elems(H);
+  T* sx = reinterpret_cast<T*>(smem);                            // the chunk's samples, later its outputs
+  uint2* toe = reinterpret_cast<uint2*>(sx + kChunk * ss);        // [kernel row][NB][lane]: the lane's B block
+  float* sw = reinterpret_cast<float*>(toe + g.kh * NB * 32);    // the channel's kernel
+  const int64_t chunks = (g.N + kChunk - 1) / kChunk, c = blockIdx.x / chunks, n0 = blockIdx.x % chunks * kChunk;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
+
+  with_vector(V, [&](auto v) { stage_chunk<decltype(v)::value>(sx, x + c * g.xs_c, n0, g, g.xs_n, g.xs_h); });
   for (int u = tid; u < g.kh * g.kw; u += blockDim.x) sw[u] = w[c * g.kh * g.kw + u];
   __syncthreads();
   for (int u = tid; u < g.kh * NB * 32; u += blockDim.x) {
@@ -75,102 +106,89 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
     auto tap = [&](int jj) { return jj >= 0 && jj < g.kw ? T(sw[i * g.kw + jj]) : T(0.f); };
     toe[u] = make_uint2(pack2(tap(j), tap(j + 1)), pack2(tap(j + 8), tap(j + 9)));
   }
-  __syncthreads();
-  const T* xc = x + c * g.xs_c;
-  T* yc = y + c * g.ys_c;
-  const float bv = bias != nullptr ? bias[c] : 0.f;
-  const int H = g.H, items = tiles * row_groups;
-  for (int item = warp; item < items; item += kWarps) {
-    const int64_t n_lo = int64_t(item / row_groups) * 16 + gq, n_hi = n_lo + 8;  // the lane's two samples
-    uint32_t a[HM][4];  // a[r]: the A fragment of input row r (rows past H stay unused)
+  const int tiles = int(min(int64_t(4), (g.N - n0 + 15) / 16)), groups = kWarps / tiles;
+  const bool busy = warp < tiles * groups;
+  const int tile = warp % tiles, rg = warp / tiles;
+  // a[r]: the A fragment of input row r: samples g, g + 8 of the tile (matrices 0, 1), columns 2t.. and 2t + 8..
+  uint32_t a[HM][4];
+  const uint32_t a_addr =
+      smem_addr(sx + (16 * tile + (lane & 8) + (lane & 7)) * ss + (lane & 16 ? 8 : 0));
 #pragma unroll
-    for (int r = 0; r < HM; ++r)
-      if (r < H) {
-        a[r][0] = row_pair(xc, n_lo, r, 2 * tq, g, vec_in);
-        a[r][1] = row_pair(xc, n_hi, r, 2 * tq, g, vec_in);
-        a[r][2] = row_pair(xc, n_lo, r, 2 * tq + 8, g, vec_in);
-        a[r][3] = row_pair(xc, n_hi, r, 2 * tq + 8, g, vec_in);
-      }
-    for (int py = item % row_groups; py < H; py += row_groups) {
-      float acc[NB][4] = {};
-#pragma unroll
-      for (int qy = 0; qy < HM; ++qy) {
-        const int i = qy - py + g.ph;  // the kernel row that meets input row qy here (the same for the whole warp)
-        if (qy >= H || i < 0 || i >= g.kh) continue;
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const uint2 b = toe[(i * NB + nb) * 32 + lane];
-          mma16816<T>(acc[nb], a[qy][0], a[qy][1], a[qy][2], a[qy][3], b.x, b.y);
-        }
-      }
-      // acc[nb]: (sample n_lo, columns 8 nb + 2t, + 1), then the same of n_hi
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t n = h == 0 ? n_lo : n_hi;
-          const int col = 8 * nb + 2 * tq;
-          if (n >= g.N || col >= g.W) continue;
-          T* out = yc + n * g.ys_n + py * g.ys_h;
-          const T v0 = T(acc[nb][2 * h] + bv), v1 = T(acc[nb][2 * h + 1] + bv);
-          if (vec_out) {
-            *reinterpret_cast<uint32_t*>(out + col) = pack2(v0, v1);
-          } else {
-            out[col * g.ys_w] = v0;
-            if (col + 1 < g.W) out[(col + 1) * g.ys_w] = v1;
-          }
-        }
-    }
-  }
-}
+  for (int r = 0; r < HM; ++r)
+    if (busy && r < H) ldsm_x4(a[r][0], a[r][1], a[r][2], a[r][3], a_addr + r * kCols * sizeof(T));
+  __syncthreads();  // the table is built and every warp holds its A: the samples' space takes the outputs
 
-// g: grad_out read through xs_*, x through ys_* (make_geom(grad_out, x, ...)). Warps take (16-sample tile, half of
-// the row offsets) items: the halves d < 0 and d >= 0 where there are fewer tiles than warps.
-template <typename T, int HM, int NB>
-__global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
-    const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw, const ConvGeom g, int tiles,
-    int splits) {
-  extern __shared__ __align__(16) float taps[];  // [warp][kernel row][q - p + 16]
-  const int64_t c = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
-  for (int u = tid; u < kWarps * g.kh * 32; u += blockDim.x) taps[u] = 0.f;
-  __syncthreads();
-  float* mine = taps + warp * g.kh * 32;
-  const T* xc = x + c * g.ys_c;
-  const T* dyc = dy + c * g.xs_c;
-  const int H = g.H, items = tiles * splits;
-  for (int item = warp; item < items; item += kWarps) {
-    const int64_t n0 = int64_t(item / splits) * 16 + 2 * tq;  // the lane's samples: n0, n0 + 1, n0 + 8, n0 + 9
-    const int half = splits == 1 ? -1 : item % splits;        // -1: every offset
-    // xa[r]: A = x[.][r]^T (rows q = g, g + 8; samples 2t, 2t + 1, 2t + 8, 2t + 9); db[r][nb]: B = grad_out[.][r]
-    // (samples 2t, 2t + 1, then + 8; column 8 nb + g)
-    uint32_t xa[HM][4], db[HM][NB][2];
+  const float bv = bias != nullptr ? bias[c] : 0.f;
+  T* so = sx + (16 * tile + gq) * ss + 2 * tq;  // this lane's outputs: sample g (and g + 8), columns 2t, 2t + 1
+  for (int py = rg; busy && py < H; py += groups) {
+    float acc[NB][4] = {};
 #pragma unroll
-    for (int r = 0; r < HM; ++r) {
-      if (r >= H) continue;
-      auto xv = [&](int64_t n, int col) { return at_or_zero(xc, n, r, col, g, g.ys_n, g.ys_h, g.ys_w); };
-      auto dv = [&](int64_t n, int col) { return at_or_zero(dyc, n, r, col, g, g.xs_n, g.xs_h, g.xs_w); };
-      xa[r][0] = pack2(xv(n0, gq), xv(n0 + 1, gq));
-      xa[r][1] = pack2(xv(n0, gq + 8), xv(n0 + 1, gq + 8));
-      xa[r][2] = pack2(xv(n0 + 8, gq), xv(n0 + 9, gq));
-      xa[r][3] = pack2(xv(n0 + 8, gq + 8), xv(n0 + 9, gq + 8));
+    for (int qy = 0; qy < HM; ++qy) {
+      const int i = qy - py + g.ph;  // the kernel row that meets input row qy here (the same for the whole warp)
+      if (qy >= H || i < 0 || i >= g.kh) continue;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        db[r][nb][0] = pack2(dv(n0, 8 * nb + gq), dv(n0 + 1, 8 * nb + gq));
-        db[r][nb][1] = pack2(dv(n0 + 8, 8 * nb + gq), dv(n0 + 9, 8 * nb + gq));
+        const uint2 b = toe[(i * NB + nb) * 32 + lane];
+        mma16816<T>(acc[nb], a[qy][0], a[qy][1], a[qy][2], a[qy][3], b.x, b.y);
       }
     }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {  // acc[nb]: (sample g, columns 8 nb + 2t, + 1), then the same of g + 8
+      T* o = so + py * kCols + 8 * nb;
+      *reinterpret_cast<uint32_t*>(o) = pack2(T(acc[nb][0] + bv), T(acc[nb][1] + bv));
+      *reinterpret_cast<uint32_t*>(o + 8 * ss) = pack2(T(acc[nb][2] + bv), T(acc[nb][3] + bv));
+    }
+  }
+  __syncthreads();
+  with_vector(V, [&](auto v) { store_chunk<decltype(v)::value>(y + c * g.ys_c, sx, n0, g); });
+}
+
+// g: grad_out read through xs_*, x through ys_* (make_geom(grad_out, x, ...)). A block takes kChunk samples of one
+// channel; warp w < 2 tiles takes tile w % tiles and half w / tiles of the row offsets (d < 0, d >= 0), holding the
+// tile's A (x^T) for every row in registers (chunks of fewer than 4 tiles leave warps idle).
+template <typename T, int HM, int NB>
+__global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
+    const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw, const ConvGeom g, int V) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int H = g.H, ss = sample_elems(H);
+  T* sx = reinterpret_cast<T*>(smem);
+  T* sd = sx + kChunk * ss;
+  float* taps = reinterpret_cast<float*>(sd + kChunk * ss);  // [warp][kernel row][q - p + 16]
+  const int64_t chunks = (g.N + kChunk - 1) / kChunk, c = blockIdx.x / chunks, n0 = blockIdx.x % chunks * kChunk;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
+
+  with_vector(V, [&](auto v) {
+    stage_chunk<decltype(v)::value>(sx, x + c * g.ys_c, n0, g, g.ys_n, g.ys_h);
+    stage_chunk<decltype(v)::value>(sd, dy + c * g.xs_c, n0, g, g.xs_n, g.xs_h);
+  });
+  for (int u = tid; u < kWarps * g.kh * 32; u += blockDim.x) taps[u] = 0.f;
+  __syncthreads();
+
+  const int tiles = int(min(int64_t(4), (g.N - n0 + 15) / 16)), tile = warp % tiles, half = warp / tiles;
+  if (half < 2) {
+    // xa[r]: A = x[.][r]^T: rows q = g, g + 8 (matrices 0 / 2 and 1 / 3: column halves), samples 2t.. and 2t + 8..
+    uint32_t xa[HM][4];
+    const uint32_t x_addr = smem_addr(sx + (16 * tile + (lane & 16 ? 8 : 0) + (lane & 7)) * ss + (lane & 8));
+#pragma unroll
+    for (int r = 0; r < HM; ++r)
+      if (r < H) ldsm_x4_trans(xa[r][0], xa[r][1], xa[r][2], xa[r][3], x_addr + r * kCols * sizeof(T));
+    // B = grad_out[.][py]: samples 2t.. and 2t + 8.. (matrices 0, 1), column 8 nb + g (matrices 2, 3 for nb = 1)
+    const uint32_t d_addr = smem_addr(sd + (16 * tile + (lane & 8) + (lane & 7)) * ss + (lane & 16 ? 8 : 0));
+    float* mine = taps + warp * g.kh * 32;
 #pragma unroll
     for (int d = 1 - HM; d < HM; ++d) {
       const int i = d + g.ph;  // kernel row
-      if (i < 0 || i >= g.kh || d <= -H || d >= H || (half == 0 && d >= 0) || (half == 1 && d < 0)) continue;
+      if (i < 0 || i >= g.kh || d <= -H || d >= H || (half == 0) != (d < 0)) continue;
       float acc[NB][4] = {};
 #pragma unroll
       for (int qy = d > 0 ? d : 0; qy < (d < 0 ? HM + d : HM); ++qy) {
         if (qy >= H || qy - d >= H) continue;
+        uint32_t b[NB][2];
+        if constexpr (NB == 2) ldsm_x4_trans(b[0][0], b[0][1], b[1][0], b[1][1], d_addr + (qy - d) * kCols * sizeof(T));
+        else ldsm_x2_trans(b[0][0], b[0][1], d_addr + (qy - d) * kCols * sizeof(T));
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
-          mma16816<T>(acc[nb], xa[qy][0], xa[qy][1], xa[qy][2], xa[qy][3], db[qy - d][nb][0], db[qy - d][nb][1]);
+          mma16816<T>(acc[nb], xa[qy][0], xa[qy][1], xa[qy][2], xa[qy][3], b[nb][0], b[nb][1]);
       }
       // acc[nb]: S[q][p] at q = g (+ 8 for the last two), p = 8 nb + 2t (+ 1 for the odd ones), on the diagonals
       // q - p = g - 2t + (0, -1, 8, 7) - 8 nb; block 1's last pair lies on block 0's first pair's diagonals.
@@ -190,8 +208,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
     }
   }
   __syncthreads();
-  // One block per channel covers every sample: dw += its taps without atomics. Taps over 15 columns off reach no
-  // column pair of a 16-wide row.
+  // Taps over 15 columns off reach no column pair of a 16-wide row (and stay zero); one atomic per tap and block.
   float* dwc = dw + c * g.kh * g.kw;
   for (int u = tid; u < g.kh * g.kw; u += blockDim.x) {
     const int off = u % g.kw - g.pw;
@@ -199,7 +216,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < kWarps; ++k) sum += taps[(k * g.kh + u / g.kw) * 32 + 16 + off];
-    dwc[u] += sum;
+    atomicAdd(dwc + u, sum);
   }
 }
 
@@ -210,13 +227,12 @@ void dispatch_rows_cols(const ConvGeom& g, const F& f) {
   return g.W <= 8 ? f.template run<16, 1>() : f.template run<16, 2>();
 }
 
-bool pairs_aligned(const at::Tensor& t) {  // 4-byte accesses to (col, col + 1) for even col
-  return t.stride(3) == 1 && t.size(3) % 2 == 0 && t.stride(2) % 2 == 0 && t.stride(1) % 2 == 0 &&
-         t.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0;
+// Blocks: one per chunk of kChunk samples of one channel.
+unsigned blocks(const ConvGeom& g) {
+  const int64_t n = (g.N + kChunk - 1) / kChunk * g.C;
+  TORCH_CHECK(n < INT32_MAX, "lkcnn dwconv2d: too many (sample, channel) planes for one launch");
+  return unsigned(n);
 }
-
-// 16-sample tiles of the batch (the launch checks that warps can count items in int)
-int tiles(const ConvGeom& g) { return int((g.N + 15) / 16); }
 
 template <typename T>
 struct FwdCall {
@@ -226,13 +242,12 @@ struct FwdCall {
   template <int HM, int NB>
   void run() const {
     constexpr auto kernel = dwconv_fwd_map_tc_kernel<T, HM, NB>;
-    const int smem = int(g.kh * NB * 32 * sizeof(uint2) + g.kh * g.kw * sizeof(float));
+    const int smem = int(kChunk * sample_elems(g.H) * sizeof(T) + g.kh * NB * 32 * sizeof(uint2) +
+                         g.kh * g.kw * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
-    // every warp busy where the batch has fewer 16-sample tiles than the block has warps
-    const int row_groups = std::min(g.H, std::max(1, kWarps / tiles(g)));
-    kernel<<<unsigned(g.C), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
+    kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
         x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
-        y.mutable_data_ptr<T>(), g, tiles(g), row_groups, pairs_aligned(x), pairs_aligned(y));
+        y.mutable_data_ptr<T>(), g, std::min(row_vector(x), row_vector(y)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
@@ -245,11 +260,11 @@ struct WgradCall {
   template <int HM, int NB>
   void run() const {
     constexpr auto kernel = dwconv_wgrad_map_tc_kernel<T, HM, NB>;
-    const int smem = int(kWarps * g.kh * 32 * sizeof(float));
+    const int smem = int(2 * kChunk * sample_elems(g.H) * sizeof(T) + kWarps * g.kh * 32 * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
-    const int splits = tiles(g) < kWarps ? 2 : 1;
-    kernel<<<unsigned(g.C), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
-        dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g, tiles(g), splits);
+    kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
+        dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g,
+        std::min(row_vector(dy), row_vector(x)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
@@ -257,8 +272,6 @@ struct WgradCall {
 template <template <typename> class Call, typename... Args>
 void dispatch(const at::Tensor& t, const ConvGeom& g, Args&... args) {
   check_tensor_cores();
-  TORCH_CHECK(g.C < INT32_MAX && g.N / 16 < INT32_MAX / (2 * kWarps), "lkcnn dwconv2d: too many samples or channels "
-              "for one launch");
   if (t.scalar_type() == at::kHalf) return dispatch_rows_cols(g, Call<c10::Half>{args..., g});
   return dispatch_rows_cols(g, Call<c10::BFloat16>{args..., g});
 }

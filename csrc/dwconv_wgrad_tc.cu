@@ -59,7 +59,7 @@ __device__ __forceinline__ void stage_round(unsigned char* smem, const T* __rest
     T v[V] __attribute__((aligned(16)));
     T prev = T(0.f);
     if (p < int(g.H) - pa_of[k]) {
-      load_vec<V>(v, d);
+      copy_vec<V>(v, d);
       if (j0 > 0) prev = d[-1];
     } else {
 #pragma unroll
