@@ -28,6 +28,7 @@ namespace {
 constexpr int kWarps = 8;           // per block, both kernels
 constexpr int kCols = 16;           // columns a row is padded to (the mma's K)
 constexpr int kChunk = 4 * 16;      // samples per block: four 16-sample mma tiles
+static_assert(kChunk % kWarps == 0, "the staging gives each warp the same number of samples");
 
 // Elements between staged samples: H rows of 16 columns (two 16-byte units each) and one unit more, so that the 8
 // rows of an ldmatrix matrix (8 samples at one row and column half) fall in 8 different bank groups.
@@ -35,22 +36,30 @@ __host__ __device__ constexpr int sample_elems(int H) { return (2 * H + 1) * 8; 
 
 // Rows [0, H) of samples n0 .. n0 + kChunk of one channel (src: the channel's sample 0, NCHW-contiguous rows) to
 // dst as [sample][row][16 columns], zeros past the batch and the row, in accesses of V elements (the host's
-// row_vector: rows and strides multiples of V, so every access is aligned on both sides).
+// row_vector: rows and strides multiples of V, so every access is aligned on both sides). Warp w takes samples w,
+// w + kWarps, ..., its lanes the row vectors: each lane keeps one load per sample (8) in flight before storing
+// them (one at a time made v28b's staging a chain of DRAM round trips, 40% of its stalls), and positions come
+// from shifts, not divisions.
 template <int V, typename T>
 __device__ __forceinline__ void stage_chunk(T* __restrict__ dst, const T* __restrict__ src, int64_t n0,
                                             const ConvGeom& g, int64_t s_n, int64_t s_h) {
-  constexpr int G = kCols / V;  // V-element groups of a staged row
-  const int per_sample = g.H * G, ss = sample_elems(g.H);
-  for (int u = threadIdx.x; u < kChunk * per_sample; u += blockDim.x) {
-    const int z = u / per_sample, rem = u - z * per_sample, r = rem / G, j = (rem - r * G) * V;
-    T v[V] __attribute__((aligned(16)));
-    if (n0 + z < g.N && j < g.W) {
-      copy_vec<V>(v, src + (n0 + z) * s_n + r * s_h + j);
-    } else {
+  constexpr int G = kCols / V, kPer = kChunk / kWarps;  // V-element groups of a staged row; samples per warp
+  const int warp = threadIdx.x / 32, ss = sample_elems(g.H);
+  for (int u = threadIdx.x % 32; u < g.H * G; u += 32) {
+    const int r = u / G, j = u % G * V;
+    T v[kPer][V] __attribute__((aligned(16)));
 #pragma unroll
-      for (int e = 0; e < V; ++e) v[e] = T(0.f);
+    for (int k = 0; k < kPer; ++k) {
+      const int64_t n = n0 + warp + k * kWarps;
+      if (n < g.N && j < g.W) {
+        copy_vec<V>(v[k], src + n * s_n + r * s_h + j);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[k][e] = T(0.f);
+      }
     }
-    copy_vec<V>(dst + z * ss + r * kCols + j, v);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) copy_vec<V>(dst + (warp + k * kWarps) * ss + r * kCols + j, v[k]);
   }
 }
 
@@ -58,11 +67,29 @@ __device__ __forceinline__ void stage_chunk(T* __restrict__ dst, const T* __rest
 template <int V, typename T>
 __device__ __forceinline__ void store_chunk(T* __restrict__ dst, const T* __restrict__ src, int64_t n0,
                                             const ConvGeom& g) {
-  const int G = g.W / V, per_sample = g.H * G, ss = sample_elems(g.H);
-  const int samples = int(min(int64_t(kChunk), g.N - n0));
-  for (int u = threadIdx.x; u < samples * per_sample; u += blockDim.x) {
-    const int z = u / per_sample, rem = u - z * per_sample, r = rem / G, j = (rem - r * G) * V;
-    copy_vec<V>(dst + (n0 + z) * g.ys_n + r * g.ys_h + j, src + z * ss + r * kCols + j);
+  constexpr int G = kCols / V, kPer = kChunk / kWarps;
+  const int warp = threadIdx.x / 32, ss = sample_elems(g.H);
+  for (int u = threadIdx.x % 32; u < g.H * G; u += 32) {
+    const int r = u / G, j = u % G * V;
+    if (j >= g.W) continue;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int64_t n = n0 + warp + k * kWarps;
+      if (n < g.N) copy_vec<V>(dst + n * g.ys_n + r * g.ys_h + j, src + (warp + k * kWarps) * ss + r * kCols + j);
+    }
+  }
+}
+
+// The channel's kernel (fp32) to shared memory, eight loads in flight per thread.
+__device__ __forceinline__ void stage_kernel(float* __restrict__ dst, const float* __restrict__ src, int n) {
+  constexpr int kBatch = 8;
+  for (int base = threadIdx.x; base < n; base += kBatch * blockDim.x) {
+    float v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = base + k * blockDim.x < n ? src[base + k * blockDim.x] : 0.f;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (base + k * blockDim.x < n) dst[base + k * blockDim.x] = v[k];
   }
 }
 
@@ -98,7 +125,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
 
   with_vector(V, [&](auto v) { stage_chunk<decltype(v)::value>(sx, x + c * g.xs_c, n0, g, g.xs_n, g.xs_h); });
-  for (int u = tid; u < g.kh * g.kw; u += blockDim.x) sw[u] = w[c * g.kh * g.kw + u];
+  stage_kernel(sw, w + c * g.kh * g.kw, g.kh * g.kw);
   __syncthreads();
   for (int u = tid; u < g.kh * NB * 32; u += blockDim.x) {
     // b0 holds B[k][p] for k = 2t, 2t + 1 and p = 8 nb + g, i.e. taps j, j + 1 of kernel row i; b1 those 8 on
