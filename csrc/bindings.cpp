@@ -29,13 +29,15 @@ void check_pair(const at::Tensor& a, const at::Tensor& b, const char* what) {
               ": the CUDA kernels take float32, float16 or bfloat16, got ", dtype);
 }
 
-void check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const char* what) {
-  TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 3 && w.size(0) == C,
-              what, ": kernel must be a contiguous fp32 (C, kh, kw) CUDA tensor");
-  const int64_t kh = w.size(1), kw = w.size(2);
+// kh, kw of a (C, 1, kh, kw) depthwise kernel, checked for what the CUDA kernels support.
+std::pair<int64_t, int64_t> check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const char* what) {
+  TORCH_CHECK(w.is_cuda() && w.dim() == 4 && w.size(0) == C && w.size(1) == 1 && w.is_floating_point(), what,
+              ": kernel must be a floating-point (C, 1, kh, kw) CUDA tensor");
+  const int64_t kh = w.size(2), kw = w.size(3);
   TORCH_CHECK(kh % 2 == 1 && kw % 2 == 1 && kh <= 63 && kw <= 63 && ph == kh / 2 && pw == kw / 2, what,
               ": the CUDA kernel supports odd kernels up to 63 with 'same' padding, got ", kh, "x", kw, " padding ",
               ph, ",", pw);
+  return {kh, kw};
 }
 
 // Which kernels run the passes of x (N, C, H, W) with a kernel kw wide: the whole-map tensor-core kernels (fp16/bf16
@@ -54,22 +56,32 @@ Path path_for(const at::Tensor& x, int64_t kw) {
 // one sample's map and measured the same in both layouts, so they read any strides directly.
 bool stages_by_channel(const at::Tensor& x, Path path) { return path != Path::tiled || x.scalar_type() != at::kFloat; }
 
+// y = correlate(x, w) + bias, or with w flipped (the input gradient). The whole-map tensor-core kernels read w in
+// x's dtype and flip it themselves; the others get the (C, kh, kw) fp32 copy they read. Doing this here rather than
+// in Python saves the training step two to four small kernels and their dispatch per layer and pass.
 void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor y, int64_t ph,
-         int64_t pw) {
+         int64_t pw, bool flip) {
   check_pair(x, y, "lkcnn dwconv2d forward");
-  check_kernel(w, x.size(1), ph, pw, "lkcnn dwconv2d forward");
+  const auto [kh, kw] = check_kernel(w, x.size(1), ph, pw, "lkcnn dwconv2d forward");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    b = *bias;
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == x.size(1) && b.device() == x.device(),
-                "lkcnn dwconv2d forward: bias must be a contiguous fp32 (C,) tensor on the input's device");
+    TORCH_CHECK(bias->numel() == x.size(1) && bias->device() == x.device(),
+                "lkcnn dwconv2d forward: bias must be a (C,) tensor on the input's device");
+    b = bias->to(at::kFloat).contiguous();
   }
-  const Path path = path_for(x, w.size(2));
+  const Path path = path_for(x, kw);
+  at::Tensor wk;
+  if (path == Path::map_tc) {
+    wk = w.to(x.scalar_type()).contiguous();
+  } else {
+    wk = w.reshape({w.size(0), kh, kw}).to(at::kFloat);
+    wk = (flip ? wk.flip({1, 2}) : wk).contiguous();
+  }
   auto launch = [&](const at::Tensor& xi, at::Tensor& yo) {
-    if (path == Path::map_tc) launch_dwconv_fwd_map_tc(xi, w, b, yo, ph, pw);
-    else if (path == Path::small) launch_dwconv_fwd_small(xi, w, b, yo, ph, pw);
-    else if (xi.scalar_type() == at::kFloat) launch_dwconv_fwd(xi, w, b, yo, ph, pw);
-    else launch_dwconv_fwd_tc(xi, w, b, yo, ph, pw);
+    if (path == Path::map_tc) launch_dwconv_fwd_map_tc(xi, wk, b, yo, ph, pw, flip);
+    else if (path == Path::small) launch_dwconv_fwd_small(xi, wk, b, yo, ph, pw);
+    else if (xi.scalar_type() == at::kFloat) launch_dwconv_fwd(xi, wk, b, yo, ph, pw);
+    else launch_dwconv_fwd_tc(xi, wk, b, yo, ph, pw);
   };
   if (!stages_by_channel(x, path) || (x.is_contiguous() && y.is_contiguous())) return launch(x, y);
   at::Tensor yc = at::empty(y.sizes(), y.options().memory_format(at::MemoryFormat::Contiguous));
@@ -77,17 +89,34 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
   copy_from_nchw(y, yc);
 }
 
-void wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor dw, int64_t ph, int64_t pw) {
+// The weight gradient (C, 1, kh, kw) in x's dtype. The kernels accumulate in fp32 with atomics into a zeroed
+// buffer, except the whole-map tensor-core ones where one block covers a channel's whole batch: those write the
+// gradient in x's dtype directly.
+at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, int64_t kh, int64_t kw, int64_t ph, int64_t pw) {
   check_pair(grad_out, x, "lkcnn dwconv2d weight gradient");
-  check_kernel(dw, x.size(1), ph, pw, "lkcnn dwconv2d weight gradient");
-  const Path path = path_for(x, dw.size(2));
-  TORCH_CHECK(path != Path::tiled || wgrad_supported(x.size(3), dw.size(1), dw.size(2)),
+  TORCH_CHECK(kh % 2 == 1 && kw % 2 == 1 && kh <= 63 && kw <= 63 && ph == kh / 2 && pw == kw / 2,
+              "lkcnn dwconv2d weight gradient: the CUDA kernel supports odd kernels up to 63 with 'same' padding, got ",
+              kh, "x", kw, " padding ", ph, ",", pw);
+  const int64_t C = x.size(1);
+  if (x.numel() == 0) return at::zeros({C, 1, kh, kw}, x.options());
+  const Path path = path_for(x, kw);
+  TORCH_CHECK(path != Path::tiled || wgrad_supported(x.size(3), kh, kw),
               "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
-  if (!stages_by_channel(x, path)) return launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
-  const at::Tensor dy_c = to_nchw(grad_out), x_c = to_nchw(x);
-  if (path == Path::map_tc) launch_dwconv_wgrad_map_tc(dy_c, x_c, dw, ph, pw);
-  else if (path == Path::small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
-  else launch_dwconv_wgrad_tc(dy_c, x_c, dw, ph, pw);
+  if (path == Path::map_tc && map_tc_single_block(x)) {
+    at::Tensor dw = at::empty({C, 1, kh, kw}, x.options().memory_format(at::MemoryFormat::Contiguous));
+    launch_dwconv_wgrad_map_tc(to_nchw(grad_out), to_nchw(x), dw, ph, pw);
+    return dw;
+  }
+  at::Tensor dw = at::zeros({C, kh, kw}, x.options().dtype(at::kFloat));
+  if (!stages_by_channel(x, path)) {
+    launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
+  } else {
+    const at::Tensor dy_c = to_nchw(grad_out), x_c = to_nchw(x);
+    if (path == Path::map_tc) launch_dwconv_wgrad_map_tc(dy_c, x_c, dw, ph, pw);
+    else if (path == Path::small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
+    else launch_dwconv_wgrad_tc(dy_c, x_c, dw, ph, pw);
+  }
+  return dw.to(x.scalar_type()).view({C, 1, kh, kw});
 }
 
 // The path's name, for the tests that must know which kernels a case exercises.
@@ -104,10 +133,11 @@ std::string path_name(const at::Tensor& x, int64_t kw) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lkcnn large-kernel depthwise convolution CUDA kernels";
-  m.def("fwd", &lkcnn::fwd, "y = dwconv(x, w) + bias, written into y (also the input gradient with a flipped w)",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("ph"), py::arg("pw"));
-  m.def("wgrad", &lkcnn::wgrad, "dw += weight gradient (dw fp32, zero-initialised by the caller)",
-        py::arg("grad_out"), py::arg("x"), py::arg("dw"), py::arg("ph"), py::arg("pw"));
+  m.def("fwd", &lkcnn::fwd, "y = dwconv(x, w) + bias, written into y; with flip, the correlation with the flipped "
+        "kernel (the input gradient)", py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("ph"),
+        py::arg("pw"), py::arg("flip"));
+  m.def("wgrad", &lkcnn::wgrad, "the weight gradient (C, 1, kh, kw) in x's dtype", py::arg("grad_out"),
+        py::arg("x"), py::arg("kh"), py::arg("kw"), py::arg("ph"), py::arg("pw"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
   m.def("path", &lkcnn::path_name, "which kernels run x (N, C, H, W) with a kernel kw wide: 'map_tc' (whole-map "

@@ -80,13 +80,18 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ dst, const T* __rest
   }
 }
 
-// The channel's kernel (fp32) to shared memory, eight loads in flight per thread.
-__device__ __forceinline__ void stage_kernel(float* __restrict__ dst, const float* __restrict__ src, int n) {
+// The channel's kernel (n taps in T) to shared memory as fp32, reversed where flip (a kernel flipped in both axes is
+// its row-major taps in reverse order); eight loads in flight per thread.
+template <typename T>
+__device__ __forceinline__ void stage_kernel(float* __restrict__ dst, const T* __restrict__ src, int n, bool flip) {
   constexpr int kBatch = 8;
   for (int base = threadIdx.x; base < n; base += kBatch * blockDim.x) {
     float v[kBatch];
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) v[k] = base + k * blockDim.x < n ? src[base + k * blockDim.x] : 0.f;
+    for (int k = 0; k < kBatch; ++k) {
+      const int u = base + k * blockDim.x;
+      v[k] = u < n ? static_cast<float>(src[flip ? n - 1 - u : u]) : 0.f;
+    }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
       if (base + k * blockDim.x < n) dst[base + k * blockDim.x] = v[k];
@@ -114,8 +119,8 @@ __device__ __forceinline__ void add_diagonal(float* p, float v, int gq, int tq) 
 // w / tiles + groups, ... (groups = kWarps / tiles of the chunk, so each warp has one item).
 template <typename T, int HM, int NB>
 __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
-    const T* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y,
-    const ConvGeom g, int V) {
+    const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y,
+    const ConvGeom g, int V, bool flip) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int H = g.H, ss = sample_elems(H);
   T* sx = reinterpret_cast<T*>(smem);                            // the chunk's samples, later its outputs
@@ -125,7 +130,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
 
   with_vector(V, [&](auto v) { stage_chunk<decltype(v)::value>(sx, x + c * g.xs_c, n0, g, g.xs_n, g.xs_h); });
-  stage_kernel(sw, w + c * g.kh * g.kw, g.kh * g.kw);
+  stage_kernel(sw, w + c * g.kh * g.kw, g.kh * g.kw, flip);
   __syncthreads();
   for (int u = tid; u < g.kh * NB * 32; u += blockDim.x) {
     // b0 holds B[k][p] for k = 2t, 2t + 1 and p = 8 nb + g, i.e. taps j, j + 1 of kernel row i; b1 those 8 on
@@ -175,7 +180,8 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
 // tile's A (x^T) for every row in registers (chunks of fewer than 4 tiles leave warps idle).
 template <typename T, int HM, int NB>
 __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
-    const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw, const ConvGeom g, int V) {
+    const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw_sum, T* __restrict__ dw_out,
+    const ConvGeom g, int V) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int H = g.H, ss = sample_elems(H);
   T* sx = reinterpret_cast<T*>(smem);
@@ -235,15 +241,16 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
     }
   }
   __syncthreads();
-  // Taps over 15 columns off reach no column pair of a 16-wide row (and stay zero); one atomic per tap and block.
-  float* dwc = dw + c * g.kh * g.kw;
+  // Taps over 15 columns off reach no column pair of a 16-wide row (zero). Where the block is its channel's only one
+  // (dw_out), it writes every tap; else it adds its sums to dw_sum, one atomic per tap.
   for (int u = tid; u < g.kh * g.kw; u += blockDim.x) {
     const int off = u % g.kw - g.pw;
-    if (off < -15 || off > 15) continue;
     float sum = 0.f;
+    if (off >= -15 && off <= 15)
 #pragma unroll
-    for (int k = 0; k < kWarps; ++k) sum += taps[(k * g.kh + u / g.kw) * 32 + 16 + off];
-    atomicAdd(dwc + u, sum);
+      for (int k = 0; k < kWarps; ++k) sum += taps[(k * g.kh + u / g.kw) * 32 + 16 + off];
+    if (dw_out != nullptr) dw_out[c * g.kh * g.kw + u] = T(sum);
+    else if (off >= -15 && off <= 15) atomicAdd(dw_sum + c * g.kh * g.kw + u, sum);
   }
 }
 
@@ -265,6 +272,7 @@ template <typename T>
 struct FwdCall {
   const at::Tensor &x, &w, &bias;
   at::Tensor& y;
+  bool flip;
   const ConvGeom& g;
   template <int HM, int NB>
   void run() const {
@@ -273,8 +281,8 @@ struct FwdCall {
                          g.kh * g.kw * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
     kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<T>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
-        y.mutable_data_ptr<T>(), g, std::min(row_vector(x), row_vector(y)));
+        x.const_data_ptr<T>(), w.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+        y.mutable_data_ptr<T>(), g, std::min(row_vector(x), row_vector(y)), flip);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
@@ -289,9 +297,10 @@ struct WgradCall {
     constexpr auto kernel = dwconv_wgrad_map_tc_kernel<T, HM, NB>;
     const int smem = int(2 * kChunk * sample_elems(g.H) * sizeof(T) + kWarps * g.kh * 32 * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
+    const bool sums = dw.scalar_type() == at::kFloat;  // else the gradient itself, in T
     kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
-        dy.const_data_ptr<T>(), x.const_data_ptr<T>(), dw.mutable_data_ptr<float>(), g,
-        std::min(row_vector(dy), row_vector(x)));
+        dy.const_data_ptr<T>(), x.const_data_ptr<T>(), sums ? dw.mutable_data_ptr<float>() : nullptr,
+        sums ? nullptr : dw.mutable_data_ptr<T>(), g, std::min(row_vector(dy), row_vector(x)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
@@ -309,18 +318,21 @@ bool map_tc_fits(const at::Tensor& t) {
   return t.scalar_type() != at::kFloat && t.size(2) <= 16 && t.size(3) <= kCols;
 }
 
+bool map_tc_single_block(const at::Tensor& t) { return t.size(0) <= kChunk; }
+
 void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
-                              int64_t ph, int64_t pw) {
+                              int64_t ph, int64_t pw, bool flip) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const ConvGeom g = make_geom(x, y, w.size(1), w.size(2), ph, pw);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(), "launch_dwconv_fwd_map_tc: w in x's dtype");
+  const ConvGeom g = make_geom(x, y, w.size(-2), w.size(-1), ph, pw);
   if (g.N * g.C * g.H * g.W == 0) return;
-  dispatch<FwdCall>(x, g, x, w, bias, y);
+  dispatch<FwdCall>(x, g, x, w, bias, y, flip);
 }
 
 void launch_dwconv_wgrad_map_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                                 int64_t pw) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const ConvGeom g = make_geom(grad_out, x, dw.size(1), dw.size(2), ph, pw);
+  const ConvGeom g = make_geom(grad_out, x, dw.size(-2), dw.size(-1), ph, pw);
   if (g.N * g.C * g.H * g.W == 0) return;
   dispatch<WgradCall>(x, g, grad_out, x, dw);
 }

@@ -1,6 +1,7 @@
-// Maps up to 32 x 32 whose kernel reaches most of the map, as in RepLKNet's stages 2-4 (28x28 with 29x29, 14x14
-// with 27x27, 7x7 with 13x13) and the seed article's 32x32 with 31x31: all three passes on the FMA pipes, without
-// the padded rows.
+// fp32 maps up to 32 x 32 whose kernel reaches most of the map, as in RepLKNet's stages 2-4 (28x28 with 29x29,
+// 14x14 with 27x27, 7x7 with 13x13) and the seed article's 32x32 with 31x31: all three passes on the FMA pipes,
+// without the padded rows. (fp16/bf16 maps up to 16 x 16 run on dwconv_map_tc.cu's tensor-core kernels, wider
+// ones on the banded tensor-core kernels.)
 //
 // On such a map the banded kernels spend much of their work on padding (a 27x27 kernel over a 14x14 map is 27%
 // in-bounds taps) and their lanes diverge at the map's edges. Here one block takes one channel of 32 samples, one
@@ -13,7 +14,7 @@
 // lanes of a warp run the same loop (lanes differ only in the sample), and E is read with broadcast loads.
 //
 // Up to 16 columns ("small"): R = MW - 1 (every pair); forward warps own two output rows, all in one pass.
-// 28 and 32 columns ("wide", fp32 only: fp16/bf16 are faster on tensor cores there): R = 15 (kernels up to 31 wide),
+// 28 and 32 columns ("wide"): R = 15 (kernels up to 31 wide),
 // one output row per warp at a time (32 accumulators, 32 staged columns and 31 taps fill the registers), written
 // straight from registers; the weight gradient stages grad_out in chunks of rows where both whole maps do not fit.
 //
@@ -22,8 +23,6 @@
 // across lanes and adds them to dw (one atomic per tap, block and chunk of rows).
 #include "dwconv.h"
 #include "tile.cuh"
-
-#include <type_traits>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -117,15 +116,13 @@ __device__ __forceinline__ void accumulate_rows(float (&acc)[ROWS][cols_for(MW).
 template <int LD, typename T>
 __device__ __forceinline__ void store_row(T* __restrict__ out, const float (&acc)[LD], float bv, const ConvGeom& g,
                                           bool vec) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (vec) {
+  if (vec) {
 #pragma unroll
-      for (int q = 0; q < LD; q += 4)
-        if (q < g.W)
-          *reinterpret_cast<float4*>(out + q) = make_float4(acc[q] + bv, acc[q + 1] + bv, acc[q + 2] + bv,
-                                                            acc[q + 3] + bv);
-      return;
-    }
+    for (int q = 0; q < LD; q += 4)
+      if (q < g.W)
+        *reinterpret_cast<float4*>(out + q) = make_float4(acc[q] + bv, acc[q + 1] + bv, acc[q + 2] + bv,
+                                                          acc[q + 3] + bv);
+    return;
   }
 #pragma unroll
   for (int q = 0; q < LD; ++q)
@@ -299,7 +296,7 @@ void run_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   const int smem = fwd_smem(g.H, L);
   constexpr auto kernel = dwconv_fwd_small_kernel<T, MW>;
   allow_dynamic_smem<kernel>(smem);
-  const bool vec = std::is_same_v<T, float> && g.ys_w == 1 && g.W % 4 == 0 && g.ys_h % 4 == 0 && g.ys_c % 4 == 0 &&
+  const bool vec = g.ys_w == 1 && g.W % 4 == 0 && g.ys_h % 4 == 0 && g.ys_c % 4 == 0 &&
                    g.ys_n % 4 == 0 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0;
   kernel<<<unsigned(blocks_for(g)), 32 * warps_for(ceil_div(g.H, L.rows), L), smem,
            at::cuda::getCurrentCUDAStream()>>>(x.const_data_ptr<T>(), w.const_data_ptr<float>(),
@@ -330,20 +327,15 @@ void dispatch_cols(int W, const F& f) {
     case 16: return f.template run<T, 16>();
     default: break;
   }
-  if constexpr (std::is_same_v<T, float>) {
-    if (map_cols(W) == 28) return f.template run<T, 28>();
-    return f.template run<T, 32>();
-  }
-  TORCH_CHECK(false, "lkcnn dwconv2d: the whole-map kernels take maps over 16 wide in fp32 only");
+  if (map_cols(W) == 28) return f.template run<T, 28>();
+  return f.template run<T, 32>();
 }
 
-// ... and T the tensor's dtype.
+// ... for fp32 tensors, the only ones small_map_fits admits.
 template <typename F>
 void dispatch(const at::Tensor& t, int W, const F& f) {
-  const auto dtype = t.scalar_type();
-  if (dtype == at::kFloat) return dispatch_cols<float>(W, f);
-  if (dtype == at::kHalf) return dispatch_cols<c10::Half>(W, f);
-  return dispatch_cols<c10::BFloat16>(W, f);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "lkcnn dwconv2d: the whole-map FMA kernels take float32 only");
+  dispatch_cols<float>(W, f);
 }
 
 struct FwdCall {
@@ -366,20 +358,18 @@ struct WgradCall {
 
 bool small_map_fits(const at::Tensor& t, int64_t kw) {
   const int64_t N = t.size(0), H = t.size(2), W = t.size(3);
-  if (N < kLanes / 2 || H < 1 || W < 1 || H > 32 || W > 32) return false;  // at least half the lanes busy
+  if (t.scalar_type() != at::kFloat || N < kLanes / 2 || H < 1 || W < 1 || H > 32 || W > 32) return false;  // at least half the lanes busy
   const int mw = map_cols(W);
   const Cols L = cols_for(mw);
   const int64_t pw = kw / 2;
   if (mw <= 16 && H > 16) return false;  // the small forward's one pass of 8 warps x 2 rows
-  // fp16/bf16 at 28 and 32 columns: the tensor-core kernels are ~2x faster than these fp32-math ones would be
-  if (mw > 16 && (t.scalar_type() != at::kFloat || pw > L.R)) return false;
+  if (mw > 16 && pw > L.R) return false;
   if (fwd_smem(int(H), L) > smem_limit() || wgrad_smem(int(H), 1, L) > smem_limit()) return false;
   int64_t taps = 0, computed = 0;
   for (int64_t q = 0; q < W; ++q) taps += std::min(W - 1, q + pw) - std::max<int64_t>(0, q - pw) + 1;
   for (int q = 0; q < mw; ++q) computed += std::min(mw - 1, q + L.R) - std::max(0, q - L.R) + 1;
-  // Most of the computed column pairs taps: half for small maps (every dtype: at 14x14 fp16/bf16 measured 0.26-0.28
-  // ms here against 0.44 on the tensor-core kernels, docs/performance.md v16); two thirds for wide ones, which
-  // compete with the fp32 SIMT kernels' ~70% useful lanes.
+  // Most of the computed column pairs taps: half for small maps, two thirds for wide ones, which compete with the
+  // fp32 SIMT kernels' ~70% useful lanes.
   return mw <= 16 ? 2 * taps >= computed : 3 * taps >= 2 * computed;
 }
 

@@ -105,18 +105,11 @@ def _new_like(t: Tensor) -> Tensor:
     return out
 
 
-def _kernel(weight: Tensor, flip: bool) -> Tensor:
-    """The (C, kh, kw) fp32 kernel the CUDA code reads; flipped for the input gradient."""
-    w = weight.reshape(weight.shape[0], weight.shape[-2], weight.shape[-1]).float()
-    return (w.flip(-1, -2) if flip else w).contiguous()
-
-
 @torch.library.custom_op("lkcnn::dwconv2d_fwd", mutates_args=())
 def dwconv2d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Tensor:
     if _use_cuda(x, list(weight.shape[-2:]), padding):
         y = _new_like(x)
-        b = None if bias is None else bias.float().contiguous()
-        build.load().fwd(x, _kernel(weight, flip=False), b, y, padding[0], padding[1])
+        build.load().fwd(x, weight, bias, y, padding[0], padding[1], False)
         return y
     return reference.forward(x, weight, bias, padding).contiguous(memory_format=_memory_format(x))
 
@@ -131,7 +124,7 @@ def dwconv2d_bwd_input(grad_out: Tensor, weight: Tensor, padding: list[int]) -> 
     if _use_cuda(grad_out, list(weight.shape[-2:]), padding):
         dx = _new_like(grad_out)
         # For odd kernels with 'same' padding the input gradient is the same correlation with the flipped kernel.
-        build.load().fwd(grad_out, _kernel(weight, flip=True), None, dx, padding[0], padding[1])
+        build.load().fwd(grad_out, weight, None, dx, padding[0], padding[1], True)
         return dx
     return reference.grad_input(grad_out, weight, padding).contiguous(memory_format=_memory_format(grad_out))
 
@@ -144,9 +137,7 @@ def _(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_weight", mutates_args=())
 def dwconv2d_bwd_weight(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -> Tensor:
     if _use_cuda(x, kernel_size, padding):
-        dw = torch.zeros(x.shape[1], *kernel_size, device=x.device, dtype=torch.float32)
-        build.load().wgrad(grad_out, x, dw, padding[0], padding[1])
-        return dw.to(x.dtype).unsqueeze(1)
+        return build.load().wgrad(grad_out, x, *kernel_size, *padding)
     return reference.grad_weight(grad_out, x, kernel_size, padding).contiguous()
 
 
