@@ -48,11 +48,12 @@ void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Te
 void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                             int64_t pw);
 
-// fp16/bf16 maps up to 16 x 16: all three passes as dense products of whole rows on the tensor cores
-// (dwconv_map_tc.cu).
+// fp16/bf16 maps up to 16 x 16: all three passes as dense products of whole rows on the tensor cores; maps up to
+// 32 x 32 (map_tc_wide_fits): the forward (dwconv_map_tc.cu).
 // w: (C, 1, kh, kw) contiguous in x's dtype, flipped by the kernel where flip. dw: fp32 (C, kh, kw) that blocks add to
 // (zero-initialised by the caller), or, where map_tc_single_block, (C, 1, kh, kw) in x's dtype that they write.
 bool map_tc_fits(const at::Tensor& t);
+bool map_tc_wide_fits(const at::Tensor& t);
 bool map_tc_single_block(const at::Tensor& t);
 void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                               int64_t ph, int64_t pw, bool flip);

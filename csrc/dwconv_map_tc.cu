@@ -25,26 +25,27 @@
 namespace lkcnn {
 namespace {
 
-constexpr int kWarps = 8;           // per block, both kernels
-constexpr int kCols = 16;           // columns a row is padded to (the mma's K)
-constexpr int kChunk = 4 * 16;      // samples per block: four 16-sample mma tiles
-static_assert(kChunk % kWarps == 0, "the staging gives each warp the same number of samples");
+constexpr int kWarps = 8;  // per block, every kernel
+// Maps up to 16 wide: rows padded to 16 columns (the mma's K), 64 samples (four 16-sample mma tiles) per block.
+// Maps 17 to 32 wide (forward only): rows of 32 columns, 32 samples per block.
+constexpr int kCols = 16, kChunk = 64, kWideCols = 32, kWideChunk = 32;
 
-// Elements between staged samples: H rows of 16 columns (two 16-byte units each) and one unit more, so that the 8
-// rows of an ldmatrix matrix (8 samples at one row and column half) fall in 8 different bank groups.
-__host__ __device__ constexpr int sample_elems(int H) { return (2 * H + 1) * 8; }
+// Elements between staged samples: H rows of MW columns (MW / 8 16-byte units each) and one unit more, so that the 8
+// rows of an ldmatrix matrix (8 samples at one row and column block) fall in 8 different bank groups.
+__host__ __device__ constexpr int sample_elems(int H, int MW) { return (H * MW / 8 + 1) * 8; }
 
-// Rows [0, H) of samples n0 .. n0 + kChunk of one channel (src: the channel's sample 0, NCHW-contiguous rows) to
-// dst as [sample][row][16 columns], zeros past the batch and the row, in accesses of V elements (the host's
+// Rows [0, H) of samples n0 .. n0 + CH of one channel (src: the channel's sample 0, NCHW-contiguous rows) to
+// dst as [sample][row][MW columns], zeros past the batch and the row, in accesses of V elements (the host's
 // row_vector: rows and strides multiples of V, so every access is aligned on both sides). Warp w takes samples w,
 // w + kWarps, ..., its lanes the row vectors: each lane keeps one load per sample (8) in flight before storing
 // them (one at a time made v28b's staging a chain of DRAM round trips, 40% of its stalls), and positions come
 // from shifts, not divisions.
-template <int V, typename T>
+template <int V, int MW, int CH, typename T>
 __device__ __forceinline__ void stage_chunk(T* __restrict__ dst, const T* __restrict__ src, int64_t n0,
                                             const ConvGeom& g, int64_t s_n, int64_t s_h) {
-  constexpr int G = kCols / V, kPer = kChunk / kWarps;  // V-element groups of a staged row; samples per warp
-  const int warp = threadIdx.x / 32, ss = sample_elems(g.H);
+  constexpr int G = MW / V, kPer = CH / kWarps;  // V-element groups of a staged row; samples per warp
+  static_assert(CH % kWarps == 0, "every warp stages the same number of samples");
+  const int warp = threadIdx.x / 32, ss = sample_elems(g.H, MW);
   for (int u = threadIdx.x % 32; u < g.H * G; u += 32) {
     const int r = u / G, j = u % G * V;
     T v[kPer][V] __attribute__((aligned(16)));
@@ -59,16 +60,16 @@ __device__ __forceinline__ void stage_chunk(T* __restrict__ dst, const T* __rest
       }
     }
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) copy_vec<V>(dst + (warp + k * kWarps) * ss + r * kCols + j, v[k]);
+    for (int k = 0; k < kPer; ++k) copy_vec<V>(dst + (warp + k * kWarps) * ss + r * MW + j, v[k]);
   }
 }
 
-// The inverse for the forward's outputs: the staged rows' first W columns to the samples that exist.
+// The inverse for the narrow forward's outputs: the staged rows' first W columns to the samples that exist.
 template <int V, typename T>
 __device__ __forceinline__ void store_chunk(T* __restrict__ dst, const T* __restrict__ src, int64_t n0,
                                             const ConvGeom& g) {
   constexpr int G = kCols / V, kPer = kChunk / kWarps;
-  const int warp = threadIdx.x / 32, ss = sample_elems(g.H);
+  const int warp = threadIdx.x / 32, ss = sample_elems(g.H, kCols);
   for (int u = threadIdx.x % 32; u < g.H * G; u += 32) {
     const int r = u / G, j = u % G * V;
     if (j >= g.W) continue;
@@ -98,6 +99,27 @@ __device__ __forceinline__ void stage_kernel(float* __restrict__ dst, const T* _
   }
 }
 
+// B fragments of a kernel row depend only on the offset 16 kb - 8 nb between the k-block (16 input columns) and the
+// n-block (8 output columns) they join: with KB k-blocks and NB n-blocks, offsets 8 s - 8 (NB - 1) for the slots
+// s < kSlots. toe[(i * kSlots + s) * 32 + lane] holds the lane's (b0, b1) for kernel row i and slot s: b0 B[k][p]
+// for k = 2t, 2t + 1 and p = g, i.e. taps j, j + 1 of the row (j = 2t - g + offset + pw), b1 those 8 on.
+template <int KB, int NB>
+struct Slots {
+  static constexpr int kSlots = 2 * KB + NB - 2;
+  __device__ static constexpr int of(int kb, int nb) { return 2 * kb - nb + NB - 1; }
+};
+
+template <typename T, int KB, int NB>
+__device__ __forceinline__ void build_table(uint2* __restrict__ toe, const float* __restrict__ sw, const ConvGeom& g) {
+  constexpr int S = Slots<KB, NB>::kSlots;
+  for (int u = threadIdx.x; u < g.kh * S * 32; u += blockDim.x) {
+    const int i = u / (S * 32), slot = u / 32 % S, l = u % 32;
+    const int j = 2 * (l % 4) - l / 4 + 8 * slot - 8 * (NB - 1) + g.pw;
+    auto tap = [&](int jj) { return jj >= 0 && jj < g.kw ? T(sw[i * g.kw + jj]) : T(0.f); };
+    toe[u] = make_uint2(pack2(tap(j), tap(j + 1)), pack2(tap(j + 8), tap(j + 9)));
+  }
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -122,22 +144,20 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
     const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y,
     const ConvGeom g, int V, bool flip) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int H = g.H, ss = sample_elems(H);
-  T* sx = reinterpret_cast<T*>(smem);                            // the chunk's samples, later its outputs
-  uint2* toe = reinterpret_cast<uint2*>(sx + kChunk * ss);        // [kernel row][NB][lane]: the lane's B block
-  float* sw = reinterpret_cast<float*>(toe + g.kh * NB * 32);    // the channel's kernel
+  using Slot = Slots<1, NB>;
+  const int H = g.H, ss = sample_elems(H, kCols);
+  T* sx = reinterpret_cast<T*>(smem);                                    // the chunk's samples, later its outputs
+  uint2* toe = reinterpret_cast<uint2*>(sx + kChunk * ss);                // B fragments (build_table)
+  float* sw = reinterpret_cast<float*>(toe + g.kh * Slot::kSlots * 32);  // the channel's kernel
   const int64_t chunks = (g.N + kChunk - 1) / kChunk, c = blockIdx.x / chunks, n0 = blockIdx.x % chunks * kChunk;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
 
-  with_vector(V, [&](auto v) { stage_chunk<decltype(v)::value>(sx, x + c * g.xs_c, n0, g, g.xs_n, g.xs_h); });
+  with_vector(V, [&](auto v) {
+    stage_chunk<decltype(v)::value, kCols, kChunk>(sx, x + c * g.xs_c, n0, g, g.xs_n, g.xs_h);
+  });
   stage_kernel(sw, w + c * g.kh * g.kw, g.kh * g.kw, flip);
   __syncthreads();
-  for (int u = tid; u < g.kh * NB * 32; u += blockDim.x) {
-    // b0 holds B[k][p] for k = 2t, 2t + 1 and p = 8 nb + g, i.e. taps j, j + 1 of kernel row i; b1 those 8 on
-    const int i = u / (NB * 32), nb = u / 32 % NB, l = u % 32, j = 2 * (l % 4) - 8 * nb - l / 4 + g.pw;
-    auto tap = [&](int jj) { return jj >= 0 && jj < g.kw ? T(sw[i * g.kw + jj]) : T(0.f); };
-    toe[u] = make_uint2(pack2(tap(j), tap(j + 1)), pack2(tap(j + 8), tap(j + 9)));
-  }
+  build_table<T, 1, NB>(toe, sw, g);
   const int tiles = int(min(int64_t(4), (g.N - n0 + 15) / 16)), groups = kWarps / tiles;
   const bool busy = warp < tiles * groups;
   const int tile = warp % tiles, rg = warp / tiles;
@@ -160,7 +180,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
       if (qy >= H || i < 0 || i >= g.kh) continue;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        const uint2 b = toe[(i * NB + nb) * 32 + lane];
+        const uint2 b = toe[(i * Slot::kSlots + Slot::of(0, nb)) * 32 + lane];
         mma16816<T>(acc[nb], a[qy][0], a[qy][1], a[qy][2], a[qy][3], b.x, b.y);
       }
     }
@@ -175,6 +195,77 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_kernel(
   with_vector(V, [&](auto v) { store_chunk<decltype(v)::value>(y + c * g.ys_c, sx, n0, g); });
 }
 
+// Forward of maps 17 to 32 wide (up to 32 rows): a row is two k-blocks of 16 input columns and four n-blocks of 8
+// output columns, eight mma per (output row, input row) pair. Its A fragments for all rows would not fit in
+// registers, so a warp takes them by ldmatrix per pair from the staged chunk (32 samples: two tiles, warps take a
+// tile and every 4th output row) and writes its outputs from the fragments.
+template <typename T>
+__global__ void __launch_bounds__(32 * kWarps) dwconv_fwd_map_tc_wide_kernel(
+    const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ bias, T* __restrict__ y,
+    const ConvGeom g, int V, bool flip) {
+  constexpr int KB = kWideCols / 16, NB = kWideCols / 8;
+  using Slot = Slots<KB, NB>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int H = g.H, ss = sample_elems(H, kWideCols);
+  T* sx = reinterpret_cast<T*>(smem);
+  uint2* toe = reinterpret_cast<uint2*>(sx + kWideChunk * ss);
+  float* sw = reinterpret_cast<float*>(toe + g.kh * Slot::kSlots * 32);
+  const int64_t chunks = (g.N + kWideChunk - 1) / kWideChunk, c = blockIdx.x / chunks;
+  const int64_t n0 = blockIdx.x % chunks * kWideChunk;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
+
+  with_vector(V, [&](auto v) {
+    stage_chunk<decltype(v)::value, kWideCols, kWideChunk>(sx, x + c * g.xs_c, n0, g, g.xs_n, g.xs_h);
+  });
+  stage_kernel(sw, w + c * g.kh * g.kw, g.kh * g.kw, flip);
+  __syncthreads();
+  build_table<T, KB, NB>(toe, sw, g);
+  __syncthreads();
+
+  const int tiles = int(min(int64_t(kWideChunk / 16), (g.N - n0 + 15) / 16)), groups = kWarps / tiles;
+  const int tile = warp % tiles;
+  const uint32_t a_addr = smem_addr(sx + (16 * tile + (lane & 8) + (lane & 7)) * ss + (lane & 16 ? 8 : 0));
+  const float bv = bias != nullptr ? bias[c] : 0.f;
+  const bool vec = V >= 2;  // (col, col + 1) pairs aligned: one 4-byte store
+  for (int py = warp / tiles; py < H; py += groups) {
+    float acc[NB][4] = {};
+    const int q_end = min(H, py + g.ph + 1);
+#pragma unroll 2
+    for (int qy = max(0, py - g.ph); qy < q_end; ++qy) {  // two rows' loads in flight together
+      const int i = qy - py + g.ph;
+      uint32_t a[KB][4];
+#pragma unroll
+      for (int kb = 0; kb < KB; ++kb)
+        ldsm_x4(a[kb][0], a[kb][1], a[kb][2], a[kb][3], a_addr + (qy * kWideCols + 16 * kb) * sizeof(T));
+      uint2 b[Slot::kSlots];
+#pragma unroll
+      for (int sl = 0; sl < Slot::kSlots; ++sl) b[sl] = toe[(i * Slot::kSlots + sl) * 32 + lane];
+#pragma unroll
+      for (int kb = 0; kb < KB; ++kb)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+          mma16816<T>(acc[nb], a[kb][0], a[kb][1], a[kb][2], a[kb][3], b[Slot::of(kb, nb)].x,
+                      b[Slot::of(kb, nb)].y);
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)  // acc[nb]: (sample g, columns 8 nb + 2t, + 1), then the same of g + 8
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + 16 * tile + gq + 8 * h;
+        const int col = 8 * nb + 2 * tq;
+        if (n >= g.N || col >= g.W) continue;
+        T* out = y + n * g.ys_n + c * g.ys_c + py * g.ys_h + col;
+        const T v0 = T(acc[nb][2 * h] + bv), v1 = T(acc[nb][2 * h + 1] + bv);
+        if (vec) {
+          *reinterpret_cast<uint32_t*>(out) = pack2(v0, v1);
+        } else {
+          out[0] = v0;
+          if (col + 1 < g.W) out[1] = v1;
+        }
+      }
+  }
+}
+
 // g: grad_out read through xs_*, x through ys_* (make_geom(grad_out, x, ...)). A block takes kChunk samples of one
 // channel; warp w < 2 tiles takes tile w % tiles and half w / tiles of the row offsets (d < 0, d >= 0), holding the
 // tile's A (x^T) for every row in registers (chunks of fewer than 4 tiles leave warps idle).
@@ -183,7 +274,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
     const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw_sum, T* __restrict__ dw_out,
     const ConvGeom g, int V) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int H = g.H, ss = sample_elems(H);
+  const int H = g.H, ss = sample_elems(H, kCols);
   T* sx = reinterpret_cast<T*>(smem);
   T* sd = sx + kChunk * ss;
   float* taps = reinterpret_cast<float*>(sd + kChunk * ss);  // [warp][kernel row][q - p + 16]
@@ -191,8 +282,8 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
 
   with_vector(V, [&](auto v) {
-    stage_chunk<decltype(v)::value>(sx, x + c * g.ys_c, n0, g, g.ys_n, g.ys_h);
-    stage_chunk<decltype(v)::value>(sd, dy + c * g.xs_c, n0, g, g.xs_n, g.xs_h);
+    stage_chunk<decltype(v)::value, kCols, kChunk>(sx, x + c * g.ys_c, n0, g, g.ys_n, g.ys_h);
+    stage_chunk<decltype(v)::value, kCols, kChunk>(sd, dy + c * g.xs_c, n0, g, g.xs_n, g.xs_h);
   });
   for (int u = tid; u < kWarps * g.kh * 32; u += blockDim.x) taps[u] = 0.f;
   __syncthreads();
@@ -261,9 +352,9 @@ void dispatch_rows_cols(const ConvGeom& g, const F& f) {
   return g.W <= 8 ? f.template run<16, 1>() : f.template run<16, 2>();
 }
 
-// Blocks: one per chunk of kChunk samples of one channel.
-unsigned blocks(const ConvGeom& g) {
-  const int64_t n = (g.N + kChunk - 1) / kChunk * g.C;
+// Blocks: one per chunk of `chunk` samples of one channel.
+unsigned blocks(const ConvGeom& g, int chunk = kChunk) {
+  const int64_t n = (g.N + chunk - 1) / chunk * g.C;
   TORCH_CHECK(n < INT32_MAX, "lkcnn dwconv2d: too many (sample, channel) planes for one launch");
   return unsigned(n);
 }
@@ -277,8 +368,8 @@ struct FwdCall {
   template <int HM, int NB>
   void run() const {
     constexpr auto kernel = dwconv_fwd_map_tc_kernel<T, HM, NB>;
-    const int smem = int(kChunk * sample_elems(g.H) * sizeof(T) + g.kh * NB * 32 * sizeof(uint2) +
-                         g.kh * g.kw * sizeof(float));
+    const int smem = int(kChunk * sample_elems(g.H, kCols) * sizeof(T) +
+                         g.kh * Slots<1, NB>::kSlots * 32 * sizeof(uint2) + g.kh * g.kw * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
     kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
         x.const_data_ptr<T>(), w.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
@@ -295,7 +386,7 @@ struct WgradCall {
   template <int HM, int NB>
   void run() const {
     constexpr auto kernel = dwconv_wgrad_map_tc_kernel<T, HM, NB>;
-    const int smem = int(2 * kChunk * sample_elems(g.H) * sizeof(T) + kWarps * g.kh * 32 * sizeof(float));
+    const int smem = int(2 * kChunk * sample_elems(g.H, kCols) * sizeof(T) + kWarps * g.kh * 32 * sizeof(float));
     allow_dynamic_smem<kernel>(smem);
     const bool sums = dw.scalar_type() == at::kFloat;  // else the gradient itself, in T
     kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -304,6 +395,20 @@ struct WgradCall {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
+
+template <typename T>
+void run_fwd_wide(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y, const ConvGeom& g,
+                  bool flip) {
+  constexpr auto kernel = dwconv_fwd_map_tc_wide_kernel<T>;
+  const int smem = int(kWideChunk * sample_elems(g.H, kWideCols) * sizeof(T) +
+                       g.kh * Slots<kWideCols / 16, kWideCols / 8>::kSlots * 32 * sizeof(uint2) +
+                       g.kh * g.kw * sizeof(float));  // at most 179 KB (32 rows, 63 x 63)
+  allow_dynamic_smem<kernel>(smem);
+  kernel<<<blocks(g, kWideChunk), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
+      x.const_data_ptr<T>(), w.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+      y.mutable_data_ptr<T>(), g, std::min(row_vector(x), row_vector(y)), flip);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 template <template <typename> class Call, typename... Args>
 void dispatch(const at::Tensor& t, const ConvGeom& g, Args&... args) {
@@ -318,6 +423,10 @@ bool map_tc_fits(const at::Tensor& t) {
   return t.scalar_type() != at::kFloat && t.size(2) <= 16 && t.size(3) <= kCols;
 }
 
+bool map_tc_wide_fits(const at::Tensor& t) {
+  return t.scalar_type() != at::kFloat && t.size(2) <= 32 && t.size(3) <= kWideCols;
+}
+
 bool map_tc_single_block(const at::Tensor& t) { return t.size(0) <= kChunk; }
 
 void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
@@ -326,7 +435,11 @@ void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(), "launch_dwconv_fwd_map_tc: w in x's dtype");
   const ConvGeom g = make_geom(x, y, w.size(-2), w.size(-1), ph, pw);
   if (g.N * g.C * g.H * g.W == 0) return;
-  dispatch<FwdCall>(x, g, x, w, bias, y, flip);
+  if (map_tc_fits(x)) return dispatch<FwdCall>(x, g, x, w, bias, y, flip);
+  TORCH_CHECK(map_tc_wide_fits(x), "launch_dwconv_fwd_map_tc: maps up to 32 x 32");
+  check_tensor_cores();
+  if (x.scalar_type() == at::kHalf) return run_fwd_wide<c10::Half>(x, w, bias, y, g, flip);
+  run_fwd_wide<c10::BFloat16>(x, w, bias, y, g, flip);
 }
 
 void launch_dwconv_wgrad_map_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,

@@ -172,19 +172,34 @@ def test_map_tc_edges(dtype):
         check_case(n, c, h, w, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_map_tc_wide_forward(dtype):
+    """The fp16/bf16 forward (and input gradient) of maps 17-32 wide on the whole-map tensor-core kernel: RepLKNet's
+    28x28 with 29x29 and the seed's 32x32 with 31x31, maps up to 16 wide but over 16 rows, odd widths (element
+    stores), one row, batches that leave a 16-sample tile part empty, kernels much smaller than the map and 63 wide;
+    the weight gradient runs on the banded kernels."""
+    ext = build.load()
+    cases = [((64, 3, 28, 28), (29, 29)), ((33, 2, 32, 32), (31, 31)), ((5, 2, 17, 17), (63, 63)),
+             ((20, 3, 30, 9), (7, 5)), ((1, 2, 1, 32), (1, 31)), ((40, 2, 25, 31), (13, 27)), ((3, 2, 32, 20), (3, 3))]
+    for (n, c, h, w), (kh, kw) in cases:
+        x = torch.empty(n, c, h, w, device="cuda", dtype=dtype)
+        assert ext.path(x, kw) == "map_tc" and ext.path(x, kw, forward=False) == "tiled"
+        check_case(n, c, h, w, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_wide_maps(layout):
     """The fp32 whole-map kernels for maps 17-32 wide (seed 32x32 with 31x31, RepLKNet's s2 28x28 with 29x29): rows
     of 28 and 32 columns, maps narrower than that, a map taller than wide whose weight gradient stages grad_out in
-    chunks of rows (32 rows), a rectangular kernel, batches that leave the last 32-sample block part empty; fp16/bf16
-    stay on the tensor-core kernels at these sizes."""
+    chunks of rows (32 rows), a rectangular kernel, batches that leave the last 32-sample block part empty; the
+    fp16/bf16 weight gradient stays on the banded tensor-core kernels at these sizes."""
     ext = build.load()
     cases = [((40, 3, 32, 32), (31, 31)), ((33, 4, 28, 28), (29, 29)), ((16, 2, 30, 29), (31, 27)),
              ((20, 3, 32, 24), (5, 31)), ((17, 2, 21, 27), (27, 25)), ((64, 2, 32, 32), (31, 31))]
     for (n, c, h, w), (kh, kw) in cases:
         x = torch.empty(n, c, h, w, device="cuda")
         assert ext.path(x, kw) == "small", f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
-        assert ext.path(x.bfloat16(), kw) == ext.path(x.half(), kw) == "tiled"
+        assert ext.path(x.bfloat16(), kw, forward=False) == ext.path(x.half(), kw, forward=False) == "tiled"
         check_case(n, c, h, w, kh, kw, torch.float32, layout, bias=random.random() < 0.5)
     # kernels wider than 31 and mostly padded column pairs go to the banded kernels
     assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 33) == "tiled"
