@@ -40,14 +40,16 @@ std::pair<int64_t, int64_t> check_kernel(const at::Tensor& w, int64_t C, int64_t
   return {kh, kw};
 }
 
-// Which kernels run a pass (the forward and input gradient, or the weight gradient) of x (N, C, H, W) with a kernel kw
-// wide: the whole-map tensor-core kernels (fp16/bf16 maps up to 16 x 16; the forward up to 32 x 32), the whole-map
-// FMA kernels (fp32 maps up to 32 x 32 that the kernel mostly covers), or the tiled kernels (SIMT for fp32, banded
-// tensor-core for fp16/bf16).
-enum class Path { map_tc, small, tiled };
-Path path_for(const at::Tensor& x, int64_t kw, bool forward) {
+// Which kernels run a pass (the forward and input gradient, or the weight gradient) of x (N, C, H, W) with a kh x kw
+// kernel: the whole-map tensor-core kernels (fp16/bf16 maps up to 16 x 16; the forward up to 32 x 32), the
+// whole-map FMA kernels (fp32 maps up to 32 x 32 that the kernel mostly covers), the strip kernel (the fp32 forward
+// of maps 33-56 wide with kernels 25-31 wide), or the tiled kernels (SIMT for fp32, banded tensor-core for
+// fp16/bf16).
+enum class Path { map_tc, small, strip, tiled };
+Path path_for(const at::Tensor& x, int64_t kh, int64_t kw, bool forward) {
   if (map_tc_fits(x) || (forward && map_tc_wide_fits(x))) return Path::map_tc;
   if (small_map_fits(x, kw)) return Path::small;
+  if (forward && strip_fits(x, kh, kw)) return Path::strip;
   return Path::tiled;
 }
 
@@ -70,7 +72,7 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
                 "lkcnn dwconv2d forward: bias must be a (C,) tensor on the input's device");
     b = bias->to(at::kFloat).contiguous();
   }
-  const Path path = path_for(x, kw, true);
+  const Path path = path_for(x, kh, kw, true);
   at::Tensor wk;
   if (path == Path::map_tc) {
     wk = w.to(x.scalar_type()).contiguous();
@@ -81,6 +83,7 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
   auto launch = [&](const at::Tensor& xi, at::Tensor& yo) {
     if (path == Path::map_tc) launch_dwconv_fwd_map_tc(xi, wk, b, yo, ph, pw, flip);
     else if (path == Path::small) launch_dwconv_fwd_small(xi, wk, b, yo, ph, pw);
+    else if (path == Path::strip) launch_dwconv_fwd_strip(xi, wk, b, yo, ph, pw);
     else if (xi.scalar_type() == at::kFloat) launch_dwconv_fwd(xi, wk, b, yo, ph, pw);
     else launch_dwconv_fwd_tc(xi, wk, b, yo, ph, pw);
   };
@@ -100,7 +103,7 @@ at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, int64_t kh, in
               kh, "x", kw, " padding ", ph, ",", pw);
   const int64_t C = x.size(1);
   if (x.numel() == 0) return at::zeros({C, 1, kh, kw}, x.options());
-  const Path path = path_for(x, kw, false);
+  const Path path = path_for(x, kh, kw, false);
   TORCH_CHECK(path != Path::tiled || wgrad_supported(x.size(3), kh, kw),
               "lkcnn dwconv2d weight gradient: maps this wide are not supported by the CUDA kernel");
   if (path == Path::map_tc && map_tc_single_block(x)) {
@@ -121,10 +124,11 @@ at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, int64_t kh, in
 }
 
 // The path's name, for the tests that must know which kernels a case exercises.
-std::string path_name(const at::Tensor& x, int64_t kw, bool forward) {
-  switch (path_for(x, kw, forward)) {
+std::string path_name(const at::Tensor& x, int64_t kh, int64_t kw, bool forward) {
+  switch (path_for(x, kh, kw, forward)) {
     case Path::map_tc: return "map_tc";
     case Path::small: return "small";
+    case Path::strip: return "strip";
     default: return "tiled";
   }
 }
@@ -142,8 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
   m.def("path", &lkcnn::path_name, "which kernels run the forward (or the weight gradient) of x (N, C, H, W) with a "
-        "kernel kw wide: 'map_tc' (whole-map tensor-core), 'small' (whole-map FMA) or 'tiled'", py::arg("x"),
-        py::arg("kw"), py::arg("forward") = true);
+        "kh x kw kernel: 'map_tc' (whole-map tensor-core), 'small' (whole-map FMA), 'strip' or 'tiled'", py::arg("x"),
+        py::arg("kh"), py::arg("kw"), py::arg("forward") = true);
   m.def("sync_batch_norm", &lkcnn::sync_batch_norm,
         "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),

@@ -152,7 +152,7 @@ def test_small_maps(dtype, layout):
              ((40, 2, 16, 8), (63, 15)), ((20, 4, 12, 12), (7, 23)), ((17, 16, 16, 16), (31, 31))]
     expected = "small" if dtype == torch.float32 else "map_tc"
     for (n, c, h, w), (kh, kw) in cases:
-        assert ext.path(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw) == expected, \
+        assert ext.path(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kh, kw) == expected, \
             f"{(n, c, h, w)} with {kh}x{kw} skips the {expected} kernels"
         check_case(n, c, h, w, kh, kw, dtype, layout, bias=random.random() < 0.5)
 
@@ -168,7 +168,7 @@ def test_map_tc_edges(dtype):
              ((130, 3, 13, 15), (13, 9)), ((3, 2, 16, 1), (63, 63)), ((20, 2, 1, 16), (1, 31)),
              ((18, 2, 11, 6), (21, 61)), ((7, 2, 16, 8), (7, 7)), ((9, 4, 8, 16), (1, 1))]
     for (n, c, h, w), (kh, kw) in cases:
-        assert ext.path(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kw) == "map_tc"
+        assert ext.path(torch.empty(n, c, h, w, device="cuda", dtype=dtype), kh, kw) == "map_tc"
         check_case(n, c, h, w, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
 
 
@@ -183,7 +183,7 @@ def test_map_tc_wide_forward(dtype):
              ((20, 3, 30, 9), (7, 5)), ((1, 2, 1, 32), (1, 31)), ((40, 2, 25, 31), (13, 27)), ((3, 2, 32, 20), (3, 3))]
     for (n, c, h, w), (kh, kw) in cases:
         x = torch.empty(n, c, h, w, device="cuda", dtype=dtype)
-        assert ext.path(x, kw) == "map_tc" and ext.path(x, kw, forward=False) == "tiled"
+        assert ext.path(x, kh, kw) == "map_tc" and ext.path(x, kh, kw, forward=False) == "tiled"
         check_case(n, c, h, w, kh, kw, dtype, random.choice(LAYOUTS), bias=random.random() < 0.5)
 
 
@@ -198,12 +198,29 @@ def test_wide_maps(layout):
              ((20, 3, 32, 24), (5, 31)), ((17, 2, 21, 27), (27, 25)), ((64, 2, 32, 32), (31, 31))]
     for (n, c, h, w), (kh, kw) in cases:
         x = torch.empty(n, c, h, w, device="cuda")
-        assert ext.path(x, kw) == "small", f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
-        assert ext.path(x.bfloat16(), kw, forward=False) == ext.path(x.half(), kw, forward=False) == "tiled"
+        assert ext.path(x, kh, kw) == "small", f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
+        assert ext.path(x.bfloat16(), kh, kw, forward=False) == ext.path(x.half(), kh, kw, forward=False) == "tiled"
         check_case(n, c, h, w, kh, kw, torch.float32, layout, bias=random.random() < 0.5)
     # kernels wider than 31 and mostly padded column pairs go to the banded kernels
-    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 33) == "tiled"
-    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 9) == "tiled"
+    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 33, 33) == "tiled"
+    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 9, 9) == "tiled"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strip_forward(layout):
+    """The fp32 forward (and input gradient) of maps 33-56 wide with kernels 25-31 wide on the strip kernel:
+    RepLKNet's 56x56 with 31x31 at a reduced batch, narrower maps (the last strip part past the map), odd widths
+    (element accesses), rows fewer and more than a block's 8, batches that leave the last 8-sample block part empty,
+    a rectangular kernel, a kernel shorter than the map's rows; the weight gradient stays on the tiled kernels."""
+    ext = build.load()
+    cases = [((9, 2, 56, 56), (31, 31)), ((8, 3, 40, 44), (25, 29)), ((11, 2, 13, 33), (31, 25)),
+             ((16, 2, 61, 53), (27, 27)), ((8, 2, 3, 56), (1, 31))]
+    for (n, c, h, w), (kh, kw) in cases:
+        x = torch.empty(n, c, h, w, device="cuda")
+        assert ext.path(x, kh, kw) == "strip" and ext.path(x, kh, kw, forward=False) == "tiled"
+        check_case(n, c, h, w, kh, kw, torch.float32, layout, bias=random.random() < 0.5)
+    assert ext.path(torch.empty(8, 1, 56, 56, device="cuda"), 33, 31) == "tiled"  # rows past the staged reach
+    assert ext.path(torch.empty(8, 1, 56, 56, device="cuda"), 31, 23) == "tiled"  # mostly zero kernel columns
 
 
 def test_64bit_indexing():

@@ -19,7 +19,8 @@ import torch
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("bindings.cpp", "sync_batchnorm.cpp", "dwconv_fwd.cu", "dwconv_wgrad.cu", "dwconv_fwd_tc.cu",
-           "dwconv_wgrad_tc.cu", "dwconv_small.cu", "dwconv_map_tc.cu", "layout.cu")
+           "dwconv_wgrad_tc.cu", "dwconv_small.cu", "dwconv_map_tc.cu", "dwconv_fwd_strip.cu",
+           "layout.cu")
 CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 # A build lock older than this belongs to a build that was killed (a cold build takes well under a minute).
 LOCK_STALE_S = float(os.environ.get("LKCNN_BUILD_LOCK_TIMEOUT", "600"))

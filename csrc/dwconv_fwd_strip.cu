@@ -1,0 +1,163 @@
+// fp32 forward (and, with a flipped kernel, input gradient) of maps 33 to 56 wide with kernels 25 to 31 on a side,
+// as RepLKNet's first stage (56x56 with 31x31): on the FMA pipes, lanes that never diverge.
+//
+// The tiled SIMT kernel (dwconv_fwd.cu) reaches a third of the FMA floor there: its lanes skip different padded
+// rows and column steps and its inner loop carries bookkeeping. The whole-map kernels (dwconv_small.cu) put one
+// sample on each lane, but 32 samples of 56 x 86 padded columns do not fit in shared memory. Here a warp computes
+// one output row of 8 samples, each lane a 14-column strip of one sample (lane = 4 x sample + strip): a strip
+// meets its 44-column input window (14 + 2 x 15) through all 31 kernel columns of every kernel row that reaches the
+// map, so all lanes run the same loop, and the only wasted FMAs are those on the zero columns at the map's sides
+// (14% at 56x56). A block takes 8 output rows (a warp each) of 8 samples of one channel and stages their 38 input
+// rows once.
+#include "dwconv.h"
+#include "tile.cuh"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace lkcnn {
+namespace {
+
+constexpr int kSamples = 8, kStrips = 4, kSW = 14;  // samples per block, strips per row, strip width
+constexpr int kReach = 15, kWin = kSW + 2 * kReach;  // columns a strip's window spans
+constexpr int kRowsOut = 8, kRowsIn = kRowsOut + 2 * kReach;  // output rows per block (one per warp), staged rows
+constexpr int kLD = kStrips * kSW + 2 * kReach + 2;  // staged row: 15 zero columns, 56, 15 zero columns, 2 spare
+// Staged samples are kSS floats apart, kSS = 8 mod 32: a half-warp's 8-byte loads (4 samples x 4 strips 14 floats
+// apart) then fall in 16 distinct bank pairs.
+constexpr int kSS = (kRowsIn * kLD + 23) / 32 * 32 + 8;
+constexpr int kSmemFloats = kSamples * kSS;  // + the kernel rows, 32 floats each
+
+// Stage rows r0 .. r0 + kRowsIn of samples n0 .. n0 + 8 of channel c (column col at col + 15; zeros past the map and
+// the batch). Warp w takes the (sample, row) pairs w, w + 8, ..., eight loads in flight per lane.
+__device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* __restrict__ x, int64_t n0, int64_t c,
+                                           int r0, const ConvGeom& g, bool vec) {
+  constexpr int kTasks = kSamples * kRowsIn, kWarps = kRowsOut, kBatch = 8;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int t0 = warp; t0 < kTasks; t0 += kBatch * kWarps) {
+    float4 v[kBatch][2];  // lane's columns 4 lane .. 4 lane + 3 (vec), or lane and lane + 32
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int task = t0 + b * kWarps, z = task / kRowsIn, r = r0 + task % kRowsIn;
+      const bool inside = task < kTasks && n0 + z < g.N && r >= 0 && r < g.H;
+      const float* row = x + (n0 + z) * g.xs_n + c * g.xs_c + int64_t(r) * g.xs_h;
+      v[b][0] = v[b][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (inside && vec) {
+        if (4 * lane < g.W) v[b][0] = *reinterpret_cast<const float4*>(row + 4 * lane);
+      } else if (inside) {
+        if (lane < g.W) v[b][0].x = row[lane * g.xs_w];
+        if (lane + 32 < g.W) v[b][1].x = row[(lane + 32) * g.xs_w];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int task = t0 + b * kWarps;
+      if (task >= kTasks) break;
+      float* d = sx + task / kRowsIn * kSS + task % kRowsIn * kLD;
+      // zero columns: 0 .. 14 and 15 + W .. kLD - 1 (at most 17 + 32 of them)
+      if (lane < kReach) d[lane] = 0.f;
+      for (int col = kReach + g.W + lane; col < kLD; col += 32) d[col] = 0.f;
+      if (vec) {
+        if (4 * lane < g.W) {
+          d[kReach + 4 * lane] = v[b][0].x;
+          d[kReach + 4 * lane + 1] = v[b][0].y;
+          d[kReach + 4 * lane + 2] = v[b][0].z;
+          d[kReach + 4 * lane + 3] = v[b][0].w;
+        }
+      } else {
+        if (lane < g.W) d[kReach + lane] = v[b][0].x;
+        if (lane + 32 < g.W) d[kReach + lane + 32] = v[b][1].x;
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(32 * kRowsOut, 2) dwconv_fwd_strip_kernel(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y,
+    const ConvGeom g, bool vec_in, bool vec_out) {
+  extern __shared__ __align__(16) float smem[];
+  float* sx = smem;
+  float* se = smem + kSmemFloats;  // kernel row i at se + 32 i: tap j at column j - 15 + pw (zero outside)
+  const int row_blocks = (g.H + kRowsOut - 1) / kRowsOut;
+  const int64_t sample_blocks = (g.N + kSamples - 1) / kSamples;
+  const int64_t c = blockIdx.x / (sample_blocks * row_blocks);
+  const int64_t n0 = blockIdx.x / row_blocks % sample_blocks * kSamples;
+  const int p0 = int(blockIdx.x % row_blocks) * kRowsOut;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, z = lane / 4, strip = lane % 4;
+
+  stage_rows(sx, x, n0, c, p0 - g.ph, g, vec_in);
+  for (int u = threadIdx.x; u < g.kh * 32; u += blockDim.x) {
+    const int i = u / 32, j = u % 32 - kReach + g.pw;
+    se[u] = u % 32 < 2 * kReach + 1 && j >= 0 && j < g.kw ? w[(c * g.kh + i) * g.kw + j] : 0.f;
+  }
+  __syncthreads();
+
+  const int p = p0 + warp;
+  if (p >= g.H) return;
+  float acc[kSW];
+#pragma unroll
+  for (int q = 0; q < kSW; ++q) acc[q] = 0.f;
+  const float* xs = sx + z * kSS + strip * kSW;
+  const int r_end = min(g.H, p + g.ph + 1);
+  for (int r = max(0, p - g.ph); r < r_end; ++r) {  // the same rows for the whole warp
+    float xw[kWin], e[32];
+    const float* xr = xs + (r - p0 + g.ph) * kLD;
+#pragma unroll
+    for (int k = 0; k < kWin; k += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(xr + k);
+      xw[k] = v.x;
+      xw[k + 1] = v.y;
+    }
+#pragma unroll
+    for (int k = 0; k < 32; k += 4) load4(e + k, se + (r - p + g.ph) * 32 + k);
+#pragma unroll
+    for (int j = 0; j < 2 * kReach + 1; ++j)
+#pragma unroll
+      for (int q = 0; q < kSW; ++q) acc[q] = fmaf(xw[q + j], e[j], acc[q]);
+  }
+  const int64_t n = n0 + z;
+  if (n >= g.N) return;
+  const float bv = bias != nullptr ? bias[c] : 0.f;
+  float* out = y + n * g.ys_n + c * g.ys_c + int64_t(p) * g.ys_h;
+  const int col0 = strip * kSW;
+#pragma unroll
+  for (int q = 0; q < kSW; q += 2) {
+    if (col0 + q >= g.W) break;
+    if (vec_out) {
+      *reinterpret_cast<float2*>(out + col0 + q) = make_float2(acc[q] + bv, acc[q + 1] + bv);
+    } else {
+      out[(col0 + q) * g.ys_w] = acc[q] + bv;
+      if (col0 + q + 1 < g.W) out[(col0 + q + 1) * g.ys_w] = acc[q + 1] + bv;
+    }
+  }
+}
+
+}  // namespace
+
+bool strip_fits(const at::Tensor& t, int64_t kh, int64_t kw) {
+  return t.scalar_type() == at::kFloat && t.size(3) > 32 && t.size(3) <= kStrips * kSW && kw >= 25 &&
+         kw <= 2 * kReach + 1 && kh <= 2 * kReach + 1 && t.size(0) >= kSamples;
+}
+
+void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
+                             int64_t ph, int64_t pw) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const ConvGeom g = make_geom(x, y, w.size(1), w.size(2), ph, pw);
+  if (g.N * g.C == 0 || g.H == 0) return;
+  TORCH_CHECK(strip_fits(x, g.kh, g.kw), "launch_dwconv_fwd_strip: fp32 maps 33-56 wide, kernels 25-31 wide");
+  const int64_t blocks = g.C * ((g.N + kSamples - 1) / kSamples) * ceil_div(g.H, kRowsOut);
+  TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
+  const int smem = int(sizeof(float)) * (kSmemFloats + g.kh * 32);
+  constexpr auto kernel = dwconv_fwd_strip_kernel;
+  allow_dynamic_smem<kernel>(smem);
+  auto aligned = [](const at::Tensor& t, int v) {
+    return t.stride(3) == 1 && t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 &&
+           t.stride(0) % v == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (4 * v) == 0;
+  };
+  kernel<<<unsigned(blocks), 32 * kRowsOut, smem, at::cuda::getCurrentCUDAStream()>>>(
+      x.const_data_ptr<float>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
+      y.mutable_data_ptr<float>(), g, aligned(x, 4), aligned(y, 2));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace lkcnn
