@@ -29,44 +29,48 @@ constexpr int kSS = (kRowsIn * kLD + 23) / 32 * 32 + 8;
 constexpr int kSmemFloats = kSamples * kSS;  // + the kernel rows, 32 floats each
 
 // Stage rows r0 .. r0 + kRowsIn of samples n0 .. n0 + 8 of channel c (column col at col + 15; zeros past the map and
-// the batch). Warp w takes the (sample, row) pairs w, w + 8, ..., eight loads in flight per lane.
+// the batch). Warp w takes sample w, its lanes a row's float4 groups (or columns lane and lane + 32), eight rows in
+// flight per lane. (One (sample, row) pair per warp at a time with its index arithmetic spent ~100 instructions per
+// staged row, 23% of the kernel's instructions: docs/performance.md v30.)
 __device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* __restrict__ x, int64_t n0, int64_t c,
                                            int r0, const ConvGeom& g, bool vec) {
-  constexpr int kTasks = kSamples * kRowsIn, kWarps = kRowsOut, kBatch = 8;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int t0 = warp; t0 < kTasks; t0 += kBatch * kWarps) {
-    float4 v[kBatch][2];  // lane's columns 4 lane .. 4 lane + 3 (vec), or lane and lane + 32
+  static_assert(kSamples == kRowsOut, "one warp per staged sample");
+  constexpr int kBatch = 8;
+  const int lane = threadIdx.x % 32, z = threadIdx.x / 32;
+  const bool sample = n0 + z < g.N;
+  const float* src = x + (sample ? (n0 + z) * g.xs_n + c * g.xs_c : 0);
+  float* dst = sx + z * kSS;
+  for (int rr0 = 0; rr0 < kRowsIn; rr0 += kBatch) {
+    float4 v[kBatch];  // lane's columns 4 lane .. 4 lane + 3 (vec), or lane (.x) and lane + 32 (.y)
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int task = t0 + b * kWarps, z = task / kRowsIn, r = r0 + task % kRowsIn;
-      const bool inside = task < kTasks && n0 + z < g.N && r >= 0 && r < g.H;
-      const float* row = x + (n0 + z) * g.xs_n + c * g.xs_c + int64_t(r) * g.xs_h;
-      v[b][0] = v[b][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (inside && vec) {
-        if (4 * lane < g.W) v[b][0] = *reinterpret_cast<const float4*>(row + 4 * lane);
-      } else if (inside) {
-        if (lane < g.W) v[b][0].x = row[lane * g.xs_w];
-        if (lane + 32 < g.W) v[b][1].x = row[(lane + 32) * g.xs_w];
+      const int r = r0 + rr0 + b;
+      const float* row = src + int64_t(r) * g.xs_h;
+      v[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (rr0 + b >= kRowsIn || !sample || r < 0 || r >= g.H) continue;
+      if (vec) {
+        if (4 * lane < g.W) v[b] = *reinterpret_cast<const float4*>(row + 4 * lane);
+      } else {
+        if (lane < g.W) v[b].x = row[lane * g.xs_w];
+        if (lane + 32 < g.W) v[b].y = row[(lane + 32) * g.xs_w];
       }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int task = t0 + b * kWarps;
-      if (task >= kTasks) break;
-      float* d = sx + task / kRowsIn * kSS + task % kRowsIn * kLD;
-      // zero columns: 0 .. 14 and 15 + W .. kLD - 1 (at most 17 + 32 of them)
-      if (lane < kReach) d[lane] = 0.f;
+      if (rr0 + b >= kRowsIn) break;
+      float* d = dst + (rr0 + b) * kLD;
+      if (lane < kReach) d[lane] = 0.f;  // zero columns 0 .. 14 and 15 + W .. kLD - 1
       for (int col = kReach + g.W + lane; col < kLD; col += 32) d[col] = 0.f;
       if (vec) {
         if (4 * lane < g.W) {
-          d[kReach + 4 * lane] = v[b][0].x;
-          d[kReach + 4 * lane + 1] = v[b][0].y;
-          d[kReach + 4 * lane + 2] = v[b][0].z;
-          d[kReach + 4 * lane + 3] = v[b][0].w;
+          d[kReach + 4 * lane] = v[b].x;
+          d[kReach + 4 * lane + 1] = v[b].y;
+          d[kReach + 4 * lane + 2] = v[b].z;
+          d[kReach + 4 * lane + 3] = v[b].w;
         }
       } else {
-        if (lane < g.W) d[kReach + lane] = v[b][0].x;
-        if (lane + 32 < g.W) d[kReach + lane + 32] = v[b][1].x;
+        if (lane < g.W) d[kReach + lane] = v[b].x;
+        if (lane + 32 < g.W) d[kReach + lane + 32] = v[b].y;
       }
     }
   }
