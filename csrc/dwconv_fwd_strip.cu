@@ -7,8 +7,9 @@
 // one output row of 8 samples, each lane a 14-column strip of one sample (lane = 4 x sample + strip): a strip
 // meets its 44-column input window (14 + 2 x 15) through all 31 kernel columns of every kernel row that reaches the
 // map, so all lanes run the same loop, and the only wasted FMAs are those on the zero columns at the map's sides
-// (14% at 56x56). A block takes 8 output rows (a warp each) of 8 samples of one channel and stages their 38 input
-// rows once.
+// (14% at 56x56). A block takes 8 samples of one channel and walks down the map in bands of 8 output rows (a warp
+// each); the 38 input rows a band reads stay in a ring of row slots, so the next band stages only its 8 new rows
+// (restaging all 38 per band was 4.75 staged rows per output row, v30b).
 #include "dwconv.h"
 #include "tile.cuh"
 
@@ -28,26 +29,29 @@ constexpr int kLD = kStrips * kSW + 2 * kReach + 2;  // staged row: 15 zero colu
 constexpr int kSS = (kRowsIn * kLD + 23) / 32 * 32 + 8;
 constexpr int kSmemFloats = kSamples * kSS;  // + the kernel rows, 32 floats each
 
-// Stage rows r0 .. r0 + kRowsIn of samples n0 .. n0 + 8 of channel c (column col at col + 15; zeros past the map and
-// the batch). Warp w takes sample w, its lanes a row's float4 groups (or columns lane and lane + 32), eight rows in
-// flight per lane. (One (sample, row) pair per warp at a time with its index arithmetic spent ~100 instructions per
-// staged row, 23% of the kernel's instructions: docs/performance.md v30.)
+// Row r's slot in the ring of staged rows (r >= -kReach).
+__device__ __forceinline__ int slot(int r) { return (r + kReach) % kRowsIn; }
+
+// Stage rows r0 .. r0 + rows of samples n0 .. n0 + 8 of channel c into their slots (column col at col + 15; zeros past
+// the map and the batch). Warp w takes sample w, its lanes a row's float4 groups (or columns lane and lane + 32),
+// eight rows in flight per lane. (One (sample, row) pair per warp at a time with its index arithmetic spent ~100
+// instructions per staged row, 23% of the kernel's instructions: docs/performance.md v30.)
 __device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* __restrict__ x, int64_t n0, int64_t c,
-                                           int r0, const ConvGeom& g, bool vec) {
+                                           int r0, int rows, const ConvGeom& g, bool vec) {
   static_assert(kSamples == kRowsOut, "one warp per staged sample");
   constexpr int kBatch = 8;
   const int lane = threadIdx.x % 32, z = threadIdx.x / 32;
   const bool sample = n0 + z < g.N;
   const float* src = x + (sample ? (n0 + z) * g.xs_n + c * g.xs_c : 0);
   float* dst = sx + z * kSS;
-  for (int rr0 = 0; rr0 < kRowsIn; rr0 += kBatch) {
+  for (int rr0 = 0; rr0 < rows; rr0 += kBatch) {
     float4 v[kBatch];  // lane's columns 4 lane .. 4 lane + 3 (vec), or lane (.x) and lane + 32 (.y)
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int r = r0 + rr0 + b;
       const float* row = src + int64_t(r) * g.xs_h;
       v[b] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (rr0 + b >= kRowsIn || !sample || r < 0 || r >= g.H) continue;
+      if (rr0 + b >= rows || !sample || r < 0 || r >= g.H) continue;
       if (vec) {
         if (4 * lane < g.W) v[b] = *reinterpret_cast<const float4*>(row + 4 * lane);
       } else {
@@ -57,8 +61,8 @@ __device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* 
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (rr0 + b >= kRowsIn) break;
-      float* d = dst + (rr0 + b) * kLD;
+      if (rr0 + b >= rows) break;
+      float* d = dst + slot(r0 + rr0 + b) * kLD;
       if (lane < kReach) d[lane] = 0.f;  // zero columns 0 .. 14 and 15 + W .. kLD - 1
       for (int col = kReach + g.W + lane; col < kLD; col += 32) d[col] = 0.f;
       if (vec) {
@@ -82,56 +86,58 @@ __global__ void __launch_bounds__(32 * kRowsOut, 2) dwconv_fwd_strip_kernel(
   extern __shared__ __align__(16) float smem[];
   float* sx = smem;
   float* se = smem + kSmemFloats;  // kernel row i at se + 32 i: tap j at column j - 15 + pw (zero outside)
-  const int row_blocks = (g.H + kRowsOut - 1) / kRowsOut;
   const int64_t sample_blocks = (g.N + kSamples - 1) / kSamples;
-  const int64_t c = blockIdx.x / (sample_blocks * row_blocks);
-  const int64_t n0 = blockIdx.x / row_blocks % sample_blocks * kSamples;
-  const int p0 = int(blockIdx.x % row_blocks) * kRowsOut;
+  const int64_t c = blockIdx.x / sample_blocks, n0 = blockIdx.x % sample_blocks * kSamples;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, z = lane / 4, strip = lane % 4;
+  const float* xs = sx + z * kSS + strip * kSW;
+  const float bv = bias != nullptr ? bias[c] : 0.f;
 
-  stage_rows(sx, x, n0, c, p0 - g.ph, g, vec_in);
+  stage_rows(sx, x, n0, c, -kReach, kRowsIn, g, vec_in);
   for (int u = threadIdx.x; u < g.kh * 32; u += blockDim.x) {
     const int i = u / 32, j = u % 32 - kReach + g.pw;
     se[u] = u % 32 < 2 * kReach + 1 && j >= 0 && j < g.kw ? w[(c * g.kh + i) * g.kw + j] : 0.f;
   }
-  __syncthreads();
-
-  const int p = p0 + warp;
-  if (p >= g.H) return;
-  float acc[kSW];
-#pragma unroll
-  for (int q = 0; q < kSW; ++q) acc[q] = 0.f;
-  const float* xs = sx + z * kSS + strip * kSW;
-  const int r_end = min(g.H, p + g.ph + 1);
-  for (int r = max(0, p - g.ph); r < r_end; ++r) {  // the same rows for the whole warp
-    float xw[kWin], e[32];
-    const float* xr = xs + (r - p0 + g.ph) * kLD;
-#pragma unroll
-    for (int k = 0; k < kWin; k += 2) {
-      const float2 v = *reinterpret_cast<const float2*>(xr + k);
-      xw[k] = v.x;
-      xw[k + 1] = v.y;
+  for (int p0 = 0; p0 < g.H; p0 += kRowsOut) {
+    if (p0 > 0) {
+      __syncthreads();  // every warp is done with the rows the new ones replace
+      stage_rows(sx, x, n0, c, p0 + kRowsIn - kReach - kRowsOut, kRowsOut, g, vec_in);
     }
+    __syncthreads();
+    const int p = p0 + warp;
+    if (p >= g.H) continue;
+    float acc[kSW];
 #pragma unroll
-    for (int k = 0; k < 32; k += 4) load4(e + k, se + (r - p + g.ph) * 32 + k);
+    for (int q = 0; q < kSW; ++q) acc[q] = 0.f;
+    const int r_end = min(g.H, p + g.ph + 1);
+    for (int r = max(0, p - g.ph); r < r_end; ++r) {  // the same rows for the whole warp
+      float xw[kWin], e[32];
+      const float* xr = xs + slot(r) * kLD;
 #pragma unroll
-    for (int j = 0; j < 2 * kReach + 1; ++j)
+      for (int k = 0; k < kWin; k += 2) {
+        const float2 v = *reinterpret_cast<const float2*>(xr + k);
+        xw[k] = v.x;
+        xw[k + 1] = v.y;
+      }
 #pragma unroll
-      for (int q = 0; q < kSW; ++q) acc[q] = fmaf(xw[q + j], e[j], acc[q]);
-  }
-  const int64_t n = n0 + z;
-  if (n >= g.N) return;
-  const float bv = bias != nullptr ? bias[c] : 0.f;
-  float* out = y + n * g.ys_n + c * g.ys_c + int64_t(p) * g.ys_h;
-  const int col0 = strip * kSW;
+      for (int k = 0; k < 32; k += 4) load4(e + k, se + (r - p + g.ph) * 32 + k);
 #pragma unroll
-  for (int q = 0; q < kSW; q += 2) {
-    if (col0 + q >= g.W) break;
-    if (vec_out) {
-      *reinterpret_cast<float2*>(out + col0 + q) = make_float2(acc[q] + bv, acc[q + 1] + bv);
-    } else {
-      out[(col0 + q) * g.ys_w] = acc[q] + bv;
-      if (col0 + q + 1 < g.W) out[(col0 + q + 1) * g.ys_w] = acc[q + 1] + bv;
+      for (int j = 0; j < 2 * kReach + 1; ++j)
+#pragma unroll
+        for (int q = 0; q < kSW; ++q) acc[q] = fmaf(xw[q + j], e[j], acc[q]);
+    }
+    const int64_t n = n0 + z;
+    if (n >= g.N) continue;
+    float* out = y + n * g.ys_n + c * g.ys_c + int64_t(p) * g.ys_h;
+    const int col0 = strip * kSW;
+#pragma unroll
+    for (int q = 0; q < kSW; q += 2) {
+      if (col0 + q >= g.W) break;
+      if (vec_out) {
+        *reinterpret_cast<float2*>(out + col0 + q) = make_float2(acc[q] + bv, acc[q + 1] + bv);
+      } else {
+        out[(col0 + q) * g.ys_w] = acc[q] + bv;
+        if (col0 + q + 1 < g.W) out[(col0 + q + 1) * g.ys_w] = acc[q + 1] + bv;
+      }
     }
   }
 }
@@ -149,7 +155,7 @@ void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at:
   const ConvGeom g = make_geom(x, y, w.size(1), w.size(2), ph, pw);
   if (g.N * g.C == 0 || g.H == 0) return;
   TORCH_CHECK(strip_fits(x, g.kh, g.kw), "launch_dwconv_fwd_strip: fp32 maps 33-56 wide, kernels 25-31 wide");
-  const int64_t blocks = g.C * ((g.N + kSamples - 1) / kSamples) * ceil_div(g.H, kRowsOut);
+  const int64_t blocks = g.C * ((g.N + kSamples - 1) / kSamples);
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
   const int smem = int(sizeof(float)) * (kSmemFloats + g.kh * 32);
   constexpr auto kernel = dwconv_fwd_strip_kernel;

@@ -1,19 +1,23 @@
 // fp16/bf16 maps up to 16 x 16 (RepLKNet's 14x14 stage with 27x27 kernels, the 7x7 stage with 13x13): all three
-// passes as dense products of whole map rows on the tensor cores (mma.sync.m16n8k16, fp32 accumulation).
+// passes as dense products of whole map rows on the tensor cores (mma.sync.m16n8k16, fp32 accumulation); maps up to
+// 32 x 32 (the 28x28 stage, the seed's 32x32): the forward and input gradient.
 //
 // With the map's rows padded to 16 columns, one output row py of 16 samples is a sum over the input rows qy in the
 // kernel's reach of X[16 samples][qy][16 columns] (A) times the 16 x 8 Toeplitz block of kernel row qy - py + ph
 // (B[q][p] = w[i][q - p + pw], zero outside the kernel), one mma per 8 output columns. No band steps and no padded
 // rows: on a 14x14 map with a 27x27 kernel 77% of the multiplied pairs are taps, where the banded kernels
-// (band_mma.cuh) reach a third and the fp32-math whole-map kernels (dwconv_small.cu) run on the FMA pipes.
+// (band_mma.cuh) reach a third. Rows of 32 columns are two 16-column k-blocks and four 8-column n-blocks.
 //
-// Forward and input gradient (flipped kernel, as for the other forward kernels): a warp holds the A fragments of
-// its 16 samples for every row in registers (16 x 4) and walks its output rows; B comes from a table of each
-// kernel row's fragments per lane, built in shared memory once per block (one channel).
-// Weight gradient: for rows qy, py = qy - d, S = X[.][qy]^T (16 columns x 16 samples) times grad_out[.][py] (16
-// samples x 16 columns) holds in S[q][p] the products that tap (d + ph, q - p + pw) sums, so a warp accumulates S
-// over the row pairs of each offset d in the mma accumulators, then adds its diagonals to its own taps in shared
-// memory (summed over the warps at the end); both operands of all rows of its 16 samples stay in registers.
+// A block stages a chunk of samples of one channel in shared memory (16-byte row accesses where the rows allow) and
+// builds a table of each kernel row's B fragments per lane. Forward and input gradient (flipped kernel, as for the
+// other forward kernels): up to 16 columns, a warp holds the A fragments of its 16 samples for every row in
+// registers (16 x 4) and walks its output rows, its outputs leaving through shared memory; at 32 columns it takes A
+// by ldmatrix per row pair and writes its outputs from the fragments.
+// Weight gradient (up to 16 columns): for rows qy, py = qy - d, S = X[.][qy]^T (16 columns x 16 samples) times
+// grad_out[.][py] (16 samples x 16 columns) holds in S[q][p] the products that tap (d + ph, q - p + pw) sums, so a
+// warp accumulates S over the row pairs of each offset d in the mma accumulators, then adds its diagonals to its own
+// taps in shared memory (summed over the warps at the end); x^T's fragments of every row stay in registers,
+// grad_out's come by ldmatrix per row pair.
 #include "band_mma.cuh"
 #include "dwconv.h"
 #include "tile.cuh"
