@@ -109,8 +109,7 @@ __global__ void __launch_bounds__(32 * kRowsOut, 2) dwconv_fwd_strip_kernel(
 #pragma unroll
     for (int q = 0; q < kSW; ++q) acc[q] = 0.f;
     const int r_end = min(g.H, p + g.ph + 1);
-#pragma unroll 2
-    for (int r = max(0, p - g.ph); r < r_end; ++r) {  // the same rows for the whole warp; two rows' loads in flight
+    for (int r = max(0, p - g.ph); r < r_end; ++r) {  // the same rows for the whole warp
       float xw[kWin], e[32];
       const float* xr = xs + slot(r) * kLD;
 #pragma unroll
