@@ -29,15 +29,18 @@ void check_pair(const at::Tensor& a, const at::Tensor& b, const char* what) {
               ": the CUDA kernels take float32, float16 or bfloat16, got ", dtype);
 }
 
+void check_kernel_size(int64_t kh, int64_t kw, int64_t ph, int64_t pw, const char* what) {
+  TORCH_CHECK(kh % 2 == 1 && kw % 2 == 1 && kh <= 63 && kw <= 63 && ph == kh / 2 && pw == kw / 2, what,
+              ": the CUDA kernel supports odd kernels up to 63 with 'same' padding, got ", kh, "x", kw, " padding ",
+              ph, ",", pw);
+}
+
 // kh, kw of a (C, 1, kh, kw) depthwise kernel, checked for what the CUDA kernels support.
 std::pair<int64_t, int64_t> check_kernel(const at::Tensor& w, int64_t C, int64_t ph, int64_t pw, const char* what) {
   TORCH_CHECK(w.is_cuda() && w.dim() == 4 && w.size(0) == C && w.size(1) == 1 && w.is_floating_point(), what,
               ": kernel must be a floating-point (C, 1, kh, kw) CUDA tensor");
-  const int64_t kh = w.size(2), kw = w.size(3);
-  TORCH_CHECK(kh % 2 == 1 && kw % 2 == 1 && kh <= 63 && kw <= 63 && ph == kh / 2 && pw == kw / 2, what,
-              ": the CUDA kernel supports odd kernels up to 63 with 'same' padding, got ", kh, "x", kw, " padding ",
-              ph, ",", pw);
-  return {kh, kw};
+  check_kernel_size(w.size(2), w.size(3), ph, pw, what);
+  return {w.size(2), w.size(3)};
 }
 
 // Which kernels run a pass (the forward and input gradient, or the weight gradient) of x (N, C, H, W) with a kh x kw
@@ -98,9 +101,7 @@ void fwd(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tenso
 // gradient in x's dtype directly.
 at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, int64_t kh, int64_t kw, int64_t ph, int64_t pw) {
   check_pair(grad_out, x, "lkcnn dwconv2d weight gradient");
-  TORCH_CHECK(kh % 2 == 1 && kw % 2 == 1 && kh <= 63 && kw <= 63 && ph == kh / 2 && pw == kw / 2,
-              "lkcnn dwconv2d weight gradient: the CUDA kernel supports odd kernels up to 63 with 'same' padding, got ",
-              kh, "x", kw, " padding ", ph, ",", pw);
+  check_kernel_size(kh, kw, ph, pw, "lkcnn dwconv2d weight gradient");
   const int64_t C = x.size(1);
   if (x.numel() == 0) return at::zeros({C, 1, kh, kw}, x.options());
   const Path path = path_for(x, kh, kw, false);
