@@ -19,28 +19,28 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "dwconv.h"
+
 namespace lkcnn {
 
-// Four (two) 8x8 b16 matrices from shared memory; lane l gives the row address of matrix l / 8.
+// Four (two) 8x8 b16 matrices from shared memory; lane l gives the row address of matrix l / 8. Trans: each matrix
+// transposed (lane 4g + t gets elements (2t, g) and (2t + 1, g) of the stored matrix instead of (g, 2t), (g, 2t + 1)).
+template <bool Trans = false>
 __device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+template <bool Trans = false>
 __device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
-
-// The same, each matrix transposed: lane 4g + t gets elements (2t, g) and (2t + 1, g) of the stored matrix.
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t& r0, uint32_t& r1, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
 
 // acc += A (16x16, four registers) x B (16x8, two registers), fp32 accumulators.
@@ -155,15 +155,11 @@ __device__ __forceinline__ void copy_rows(int planes, int rows, int cols, int le
   }
 }
 
-// The widest access (8, 4 or 2 elements, else 1) that t's rows allow: t is NCHW-contiguous (checked), its width and
-// plane, channel and sample strides multiples of V, its data aligned to 2V bytes.
+// The widest access (8, 4 or 2 elements, else 1) that t's rows allow (rows_allow; t has contiguous rows, checked).
 inline int row_vector(const at::Tensor& t) {
   TORCH_CHECK(t.stride(3) == 1, "lkcnn dwconv2d: the tensor-core kernels take tensors with contiguous rows");
-  const auto ptr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   for (const int v : {8, 4, 2})
-    if (t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 && t.stride(0) % v == 0 &&
-        ptr % (2 * v) == 0)
-      return v;
+    if (rows_allow(t, v)) return v;
   return 1;
 }
 

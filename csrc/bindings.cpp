@@ -113,14 +113,12 @@ at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, int64_t kh, in
     return dw;
   }
   at::Tensor dw = at::zeros({C, kh, kw}, x.options().dtype(at::kFloat));
-  if (!stages_by_channel(x, path)) {
-    launch_dwconv_wgrad(grad_out, x, dw, ph, pw);
-  } else {
-    const at::Tensor dy_c = to_nchw(grad_out), x_c = to_nchw(x);
-    if (path == Path::map_tc) launch_dwconv_wgrad_map_tc(dy_c, x_c, dw, ph, pw);
-    else if (path == Path::small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
-    else launch_dwconv_wgrad_tc(dy_c, x_c, dw, ph, pw);
-  }
+  const bool copies = stages_by_channel(x, path);
+  const at::Tensor dy_c = copies ? to_nchw(grad_out) : grad_out, x_c = copies ? to_nchw(x) : x;
+  if (path == Path::map_tc) launch_dwconv_wgrad_map_tc(dy_c, x_c, dw, ph, pw);
+  else if (path == Path::small) launch_dwconv_wgrad_small(dy_c, x_c, dw, ph, pw);
+  else if (x.scalar_type() == at::kFloat) launch_dwconv_wgrad(dy_c, x_c, dw, ph, pw);
+  else launch_dwconv_wgrad_tc(dy_c, x_c, dw, ph, pw);
   return dw.to(x.scalar_type()).view({C, 1, kh, kw});
 }
 

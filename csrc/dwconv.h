@@ -35,6 +35,13 @@ LKCNN_HOST_DEVICE inline int round_up_nonneg(int x, int m) { return x <= 0 ? 0 :
 
 ConvGeom make_geom(const at::Tensor& a, const at::Tensor& b, int64_t kh, int64_t kw, int64_t ph, int64_t pw);
 
+// Whether every row of t (N, C, H, W) splits into aligned accesses of v elements: unit column stride, the width and
+// the row, channel and sample strides multiples of v, the data aligned to v elements.
+inline bool rows_allow(const at::Tensor& t, int64_t v) {
+  return t.stride(3) == 1 && t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 &&
+         t.stride(0) % v == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (v * t.element_size()) == 0;
+}
+
 // y = correlate(x, w) + bias, w: (C, kh, kw) fp32 contiguous, bias: fp32 (C) or undefined.
 // The input gradient is the same correlation of grad_out with the flipped kernel (the caller flips it).
 // fp32 tensors (SIMT) and fp16/bf16 tensors (tensor cores).

@@ -160,13 +160,9 @@ void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at:
   const int smem = int(sizeof(float)) * (kSmemFloats + g.kh * 32);
   constexpr auto kernel = dwconv_fwd_strip_kernel;
   allow_dynamic_smem<kernel>(smem);
-  auto aligned = [](const at::Tensor& t, int v) {
-    return t.stride(3) == 1 && t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 &&
-           t.stride(0) % v == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (4 * v) == 0;
-  };
   kernel<<<unsigned(blocks), 32 * kRowsOut, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<float>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
-      y.mutable_data_ptr<float>(), g, aligned(x, 4), aligned(y, 2));
+      y.mutable_data_ptr<float>(), g, rows_allow(x, 4), rows_allow(y, 2));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
     const uint32_t x_addr = smem_addr(sx + (16 * tile + (lane & 16 ? 8 : 0) + (lane & 7)) * ss + (lane & 8));
 #pragma unroll
     for (int r = 0; r < HM; ++r)
-      if (r < H) ldsm_x4_trans(xa[r][0], xa[r][1], xa[r][2], xa[r][3], x_addr + r * kCols * sizeof(T));
+      if (r < H) ldsm_x4<true>(xa[r][0], xa[r][1], xa[r][2], xa[r][3], x_addr + r * kCols * sizeof(T));
     // B = grad_out[.][py]: samples 2t.. and 2t + 8.. (matrices 0, 1), column 8 nb + g (matrices 2, 3 for nb = 1)
     const uint32_t d_addr = smem_addr(sd + (16 * tile + (lane & 8) + (lane & 7)) * ss + (lane & 16 ? 8 : 0));
     float* mine = taps + warp * g.kh * 32;
@@ -312,8 +312,8 @@ __global__ void __launch_bounds__(32 * kWarps) dwconv_wgrad_map_tc_kernel(
       for (int qy = d > 0 ? d : 0; qy < (d < 0 ? HM + d : HM); ++qy) {
         if (qy >= H || qy - d >= H) continue;
         uint32_t b[NB][2];
-        if constexpr (NB == 2) ldsm_x4_trans(b[0][0], b[0][1], b[1][0], b[1][1], d_addr + (qy - d) * kCols * sizeof(T));
-        else ldsm_x2_trans(b[0][0], b[0][1], d_addr + (qy - d) * kCols * sizeof(T));
+        if constexpr (NB == 2) ldsm_x4<true>(b[0][0], b[0][1], b[1][0], b[1][1], d_addr + (qy - d) * kCols * sizeof(T));
+        else ldsm_x2<true>(b[0][0], b[0][1], d_addr + (qy - d) * kCols * sizeof(T));
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
           mma16816<T>(acc[nb], xa[qy][0], xa[qy][1], xa[qy][2], xa[qy][3], b[nb][0], b[nb][1]);

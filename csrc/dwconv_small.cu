@@ -296,8 +296,7 @@ void run_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   const int smem = fwd_smem(g.H, L);
   constexpr auto kernel = dwconv_fwd_small_kernel<T, MW>;
   allow_dynamic_smem<kernel>(smem);
-  const bool vec = g.ys_w == 1 && g.W % 4 == 0 && g.ys_h % 4 == 0 && g.ys_c % 4 == 0 &&
-                   g.ys_n % 4 == 0 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0;
+  const bool vec = rows_allow(y, 4);
   kernel<<<unsigned(blocks_for(g)), 32 * warps_for(ceil_div(g.H, L.rows), L), smem,
            at::cuda::getCurrentCUDAStream()>>>(x.const_data_ptr<T>(), w.const_data_ptr<float>(),
                                                bias.defined() ? bias.const_data_ptr<float>() : nullptr,
