@@ -3,13 +3,15 @@
 //
 // The tiled SIMT kernel (dwconv_fwd.cu) reaches a third of the FMA floor there: its lanes skip different padded
 // rows and column steps and its inner loop carries bookkeeping. The whole-map kernels (dwconv_small.cu) put one
-// sample on each lane, but 32 samples of 56 x 86 padded columns do not fit in shared memory. Here a warp computes
-// one output row of 8 samples, each lane a 14-column strip of one sample (lane = 4 x sample + strip): a strip
-// meets its 44-column input window (14 + 2 x 15) through all 31 kernel columns of every kernel row that reaches the
-// map, so all lanes run the same loop, and the only wasted FMAs are those on the zero columns at the map's sides
-// (14% at 56x56). A block takes 8 samples of one channel and walks down the map in bands of 8 output rows (a warp
-// each); the 38 input rows a band reads stay in a ring of row slots, so the next band stages only its 8 new rows
-// (restaging all 38 per band was 4.75 staged rows per output row, v30b).
+// sample on each lane, but 32 samples of 56 x 86 padded columns do not fit in shared memory. Here the map's columns
+// are four strips of 14, and a warp computes one strip of 4 output rows of 8 samples (lane = 4 x sample + row): each
+// lane meets its strip's 44-column input window (14 + 2 x 15) through every kernel column and every kernel row that
+// reaches the warp's rows, so all lanes run the same loop. As the strip is the same for the whole warp, the two edge
+// strips leave out at compile time the taps on the zero columns past the map's sides (14% of the FMAs at 56x56
+// when lanes were 8 samples x 4 strips of one row, v30). A block takes 8 samples of one channel and walks down the
+// map in bands of 8 output rows (8 warps: 4 strips x 2 groups of 4 rows); the 38 input rows a band reads stay in a
+// ring of row slots, so the next band stages only its 8 new rows (restaging all 38 per band was 4.75 staged rows per
+// output row, v30b).
 #include "dwconv.h"
 #include "tile.cuh"
 
@@ -22,11 +24,12 @@ namespace {
 
 constexpr int kSamples = 8, kStrips = 4, kSW = 14;  // samples per block, strips per row, strip width
 constexpr int kReach = 15, kWin = kSW + 2 * kReach;  // columns a strip's window spans
-constexpr int kRowsOut = 8, kRowsIn = kRowsOut + 2 * kReach;  // output rows per block (one per warp), staged rows
+constexpr int kRowsWarp = 4, kWarps = 8;  // output rows per warp (lanes: 8 samples x 4 rows), warps per block
+constexpr int kRowsOut = kWarps / kStrips * kRowsWarp, kRowsIn = kRowsOut + 2 * kReach;  // a band's rows, staged rows
 constexpr int kLD = kStrips * kSW + 2 * kReach + 2;  // staged row: 15 zero columns, 56, 15 zero columns, 2 spare
-// Staged samples are kSS floats apart, kSS = 8 mod 32: a half-warp's 8-byte loads (4 samples x 4 strips 14 floats
-// apart) then fall in 16 distinct bank pairs.
-constexpr int kSS = (kRowsIn * kLD + 23) / 32 * 32 + 8;
+// Staged samples are kSS floats apart, kSS = 2 mod 32, and rows kLD = 24 mod 32: a half-warp's 8-byte loads (4
+// samples x 4 consecutive rows at one column) then fall in 16 distinct bank pairs.
+constexpr int kSS = (kRowsIn * kLD + 31) / 32 * 32 + 2;
 constexpr int kSmemFloats = kSamples * kSS;  // + the kernel rows, 32 floats each
 
 // Row r's slot in the ring of staged rows (r >= -kReach).
@@ -38,7 +41,7 @@ __device__ __forceinline__ int slot(int r) { return (r + kReach) % kRowsIn; }
 // instructions per staged row, 23% of the kernel's instructions: docs/performance.md v30.)
 __device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* __restrict__ x, int64_t n0, int64_t c,
                                            int r0, int rows, const ConvGeom& g, bool vec) {
-  static_assert(kSamples == kRowsOut, "one warp per staged sample");
+  static_assert(kSamples == kWarps, "one warp per staged sample");
   constexpr int kBatch = 8;
   const int lane = threadIdx.x % 32, z = threadIdx.x / 32;
   const bool sample = n0 + z < g.N;
@@ -80,7 +83,43 @@ __device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* 
   }
 }
 
-__global__ void __launch_bounds__(32 * kRowsOut, 2) dwconv_fwd_strip_kernel(
+// The window columns a strip of kind K reads and the taps it computes: column s * 14 + q + j - 15 of output column q
+// with tap j lies in the map only from column 0 on (left strip, K = 0) and before column 56 (right strip, K = 2);
+// the middle strips (K = 1) lose one FMA each to the map's sides, so they run every tap. Maps narrower than 56 keep
+// zeros in the staged columns past W, so trimming at 56 stays correct for them.
+template <int K>
+__device__ __forceinline__ bool strip_tap(int q, int j) {
+  const int col = q + j - kReach;  // relative to the strip's first column
+  return K == 0 ? col >= 0 : K == 2 ? col < kSW : true;
+}
+
+// acc[q] += the taps of kernel rows i_lo .. i_hi - 1 on output column q of this lane's strip; the lane's input row
+// for kernel row i is p - ph + i (the ring holds it, as zeros where it is past the map).
+template <int K>
+__device__ __forceinline__ void strip_rows(float (&acc)[kSW], const float* __restrict__ xs,
+                                           const float* __restrict__ se, int p, int ph, int i_lo, int i_hi) {
+  constexpr int k_lo = K == 0 ? kReach - 1 : 0;  // even, so that the window's pairs stay 8-byte aligned
+  constexpr int k_hi = K == 2 ? kSW + kReach : kWin;
+  for (int i = i_lo; i < i_hi; ++i) {
+    float xw[kWin], e[32];
+    const float* xr = xs + slot(p - ph + i) * kLD;
+#pragma unroll
+    for (int k = k_lo; k < k_hi; k += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(xr + k);
+      xw[k] = v.x;
+      xw[k + 1] = v.y;
+    }
+#pragma unroll
+    for (int k = 0; k < 32; k += 4) load4(e + k, se + i * 32 + k);
+#pragma unroll
+    for (int j = 0; j < 2 * kReach + 1; ++j)
+#pragma unroll
+      for (int q = 0; q < kSW; ++q)
+        if (strip_tap<K>(q, j)) acc[q] = fmaf(xw[q + j], e[j], acc[q]);
+  }
+}
+
+__global__ void __launch_bounds__(32 * kWarps, 2) dwconv_fwd_strip_kernel(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ y,
     const ConvGeom g, bool vec_in, bool vec_out) {
   extern __shared__ __align__(16) float smem[];
@@ -88,7 +127,11 @@ __global__ void __launch_bounds__(32 * kRowsOut, 2) dwconv_fwd_strip_kernel(
   float* se = smem + kSmemFloats;  // kernel row i at se + 32 i: tap j at column j - 15 + pw (zero outside)
   const int64_t sample_blocks = (g.N + kSamples - 1) / kSamples;
   const int64_t c = blockIdx.x / sample_blocks, n0 = blockIdx.x % sample_blocks * kSamples;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, z = lane / 4, strip = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, z = lane / kRowsWarp, dr = lane % kRowsWarp;
+  // Warp w takes strip (w + w / 4) % 4 of row group w / 4: a scheduler (warps w, w + 4) then runs one strip of
+  // each kind at most two, and the short edge strips and the full middle ones are spread over all four.
+  const int strip = (warp + warp / kStrips) % kStrips, group = warp / kStrips;
+  const int kind = strip == 0 ? 0 : strip == kStrips - 1 ? 2 : 1;
   const float* xs = sx + z * kSS + strip * kSW;
   const float bv = bias != nullptr ? bias[c] : 0.f;
 
@@ -103,30 +146,19 @@ __global__ void __launch_bounds__(32 * kRowsOut, 2) dwconv_fwd_strip_kernel(
       stage_rows(sx, x, n0, c, p0 + kRowsIn - kReach - kRowsOut, kRowsOut, g, vec_in);
     }
     __syncthreads();
-    const int p = p0 + warp;
-    if (p >= g.H) continue;
+    const int pb = p0 + group * kRowsWarp, p = pb + dr;
+    if (pb >= g.H || strip * kSW >= g.W) continue;
+    // The kernel rows that reach the map for any of the warp's rows (uniform, so lanes never diverge; a lane whose
+    // own range is narrower multiplies staged zero rows, at most 3 per edge).
+    const int i_lo = max(0, g.ph - pb - (kRowsWarp - 1)), i_hi = min(g.kh, g.H + g.ph - pb);
     float acc[kSW];
 #pragma unroll
     for (int q = 0; q < kSW; ++q) acc[q] = 0.f;
-    const int r_end = min(g.H, p + g.ph + 1);
-    for (int r = max(0, p - g.ph); r < r_end; ++r) {  // the same rows for the whole warp
-      float xw[kWin], e[32];
-      const float* xr = xs + slot(r) * kLD;
-#pragma unroll
-      for (int k = 0; k < kWin; k += 2) {
-        const float2 v = *reinterpret_cast<const float2*>(xr + k);
-        xw[k] = v.x;
-        xw[k + 1] = v.y;
-      }
-#pragma unroll
-      for (int k = 0; k < 32; k += 4) load4(e + k, se + (r - p + g.ph) * 32 + k);
-#pragma unroll
-      for (int j = 0; j < 2 * kReach + 1; ++j)
-#pragma unroll
-        for (int q = 0; q < kSW; ++q) acc[q] = fmaf(xw[q + j], e[j], acc[q]);
-    }
+    if (kind == 0) strip_rows<0>(acc, xs, se, p, g.ph, i_lo, i_hi);
+    else if (kind == 1) strip_rows<1>(acc, xs, se, p, g.ph, i_lo, i_hi);
+    else strip_rows<2>(acc, xs, se, p, g.ph, i_lo, i_hi);
     const int64_t n = n0 + z;
-    if (n >= g.N) continue;
+    if (n >= g.N || p >= g.H) continue;
     float* out = y + n * g.ys_n + c * g.ys_c + int64_t(p) * g.ys_h;
     const int col0 = strip * kSW;
 #pragma unroll
@@ -160,7 +192,7 @@ void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at:
   const int smem = int(sizeof(float)) * (kSmemFloats + g.kh * 32);
   constexpr auto kernel = dwconv_fwd_strip_kernel;
   allow_dynamic_smem<kernel>(smem);
-  kernel<<<unsigned(blocks), 32 * kRowsOut, smem, at::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<unsigned(blocks), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<float>(), w.const_data_ptr<float>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
       y.mutable_data_ptr<float>(), g, rows_allow(x, 4), rows_allow(y, 2));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

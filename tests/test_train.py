@@ -92,6 +92,8 @@ def test_compile_keeps_the_state_dict_keys(tmp_path):
     compiled = instantiate(cfg.module, compile=True)
     assert compiled.model._compiled_call_impl is not None
     assert list(compiled.state_dict()) == list(plain.state_dict())
+    with pytest.raises(ConfigError, match=r"module.compile='fast'.*reduce-overhead"):
+        ClassificationModule(dict(cfg.model), dict(cfg.optim), compile="fast")  # a mode torch.compile lacks
 
 
 def test_default_run_shortened_learns_and_checkpoints_carry_the_contract(tmp_path):
