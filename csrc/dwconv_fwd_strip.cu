@@ -128,9 +128,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2) dwconv_fwd_strip_kernel(
   const int64_t sample_blocks = (g.N + kSamples - 1) / kSamples;
   const int64_t c = blockIdx.x / sample_blocks, n0 = blockIdx.x % sample_blocks * kSamples;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, z = lane / kRowsWarp, dr = lane % kRowsWarp;
-  // Warp w takes strip (w + w / 4) % 4 of row group w / 4: a scheduler (warps w, w + 4) then runs one strip of
-  // each kind at most two, and the short edge strips and the full middle ones are spread over all four.
-  const int strip = (warp + warp / kStrips) % kStrips, group = warp / kStrips;
+  // Warp w takes a strip of row group w / 4. A scheduler runs warps w and w + 4 (of each block), so the strips are
+  // numbered such that each gets one short edge strip and one full middle strip: the Gray code of w % 4 (0, 1, 3,
+  // 2) for group 0 and the same with the low bit flipped (1, 0, 2, 3) for group 1. (With strips (w + w / 4) % 4 one
+  // scheduler ran two middle strips and set the pace while another idled: v31a.)
+  static_assert(kWarps == 8 && kStrips == 4, "two row groups of the four strips");
+  const int group = warp / kStrips, strip = (warp % 4) ^ (warp % 4 >> 1) ^ group;
   const int kind = strip == 0 ? 0 : strip == kStrips - 1 ? 2 : 1;
   const float* xs = sx + z * kSS + strip * kSW;
   const float bv = bias != nullptr ? bias[c] : 0.f;
