@@ -122,6 +122,20 @@ at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, int64_t kh, in
   return dw.to(x.scalar_type()).view({C, 1, kh, kw});
 }
 
+// Both gradients in one call, writing the input gradient into dx (in its own layout) and returning the weight
+// gradient as wgrad does. Where either pass stages by channel, a channels_last or strided grad_out is copied to NCHW
+// once for both passes instead of once per pass (one layout copy fewer per layer and training step).
+at::Tensor bwd(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w, at::Tensor dx, int64_t ph,
+               int64_t pw) {
+  check_pair(grad_out, x, "lkcnn dwconv2d backward");
+  const auto [kh, kw] = check_kernel(w, x.size(1), ph, pw, "lkcnn dwconv2d backward");
+  const bool copy = stages_by_channel(grad_out, path_for(grad_out, kh, kw, true)) ||
+                    stages_by_channel(x, path_for(x, kh, kw, false));
+  const at::Tensor g = copy ? to_nchw(grad_out) : grad_out;
+  fwd(g, w, c10::nullopt, dx, ph, pw, true);
+  return wgrad(g, x, kh, kw, ph, pw);
+}
+
 // The path's name, for the tests that must know which kernels a case exercises.
 std::string path_name(const at::Tensor& x, int64_t kh, int64_t kw, bool forward) {
   switch (path_for(x, kh, kw, forward)) {
@@ -142,6 +156,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pw"), py::arg("flip"));
   m.def("wgrad", &lkcnn::wgrad, "the weight gradient (C, 1, kh, kw) in x's dtype", py::arg("grad_out"),
         py::arg("x"), py::arg("kh"), py::arg("kw"), py::arg("ph"), py::arg("pw"));
+  m.def("bwd", &lkcnn::bwd, "both gradients: the input gradient written into dx, the weight gradient returned; "
+        "grad_out's NCHW copy is shared by the two passes", py::arg("grad_out"), py::arg("x"), py::arg("w"),
+        py::arg("dx"), py::arg("ph"), py::arg("pw"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
   m.def("path", &lkcnn::path_name, "which kernels run the forward (or the weight gradient) of x (N, C, H, W) with a "

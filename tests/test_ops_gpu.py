@@ -234,6 +234,25 @@ def test_strip_forward(layout):
     assert ext.path(torch.empty(8, 1, 56, 56, device="cuda"), 31, 23) == "tiled"  # mostly zero kernel columns
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_gradient_at_a_time(dtype):
+    """Autograd asks for both gradients through one op (dwconv2d_bwd, which shares the layout copy); with only one
+    of them needed it runs that pass's own op: both routes give the same gradients as the float64 reference."""
+    layout = random.choice(["channels_last", "strided"])
+    n, c, h, w, k = 3, 8, random.choice([14, 28, 56]), random.choice([14, 28, 56]), random.choice([13, 27, 31])
+    x = _layout(torch.randn(n, c, h, w, device="cuda").to(dtype), layout)
+    wt = (torch.randn(c, 1, k, k, device="cuda") / k).to(dtype)
+    dy = _layout(torch.randn(n, c, h, w, device="cuda").to(dtype), layout)
+    x64, w64 = x.double().requires_grad_(), wt.double().requires_grad_()
+    F.conv2d(x64, w64, None, 1, k // 2, 1, c).backward(dy.double())
+    for needs_x, needs_w in ((True, False), (False, True)):
+        xs, ws = x.detach().requires_grad_(needs_x), wt.detach().requires_grad_(needs_w)
+        dwconv2d(xs, ws).backward(dy)
+        got, ref = (xs.grad, x64.grad) if needs_x else (ws.grad, w64.grad)
+        assert (xs.grad is None) != needs_x and (ws.grad is None) != needs_w
+        assert rel_err(got, ref) <= TOL[dtype], f"{(n, c, h, w)} k={k} {layout} grad of {'x' if needs_x else 'w'}"
+
+
 def test_64bit_indexing():
     """A bf16 tensor of more than 2^31 elements: the last planes must be computed like the first."""
     n, c, h, w, k = 2100, 1024, 32, 32, 31  # 2.2e9 elements
@@ -256,6 +275,8 @@ def test_opcheck():
     dy = torch.randn_like(x)
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_input, (dy, w, [4, 3]))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (dy, x, [9, 7], [4, 3]))
+    for layout in LAYOUTS:  # the shared NCHW copy of a channels_last or strided gradient
+        torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (_layout(dy, layout), _layout(x, layout), w, [4, 3]))
 
 
 def test_compile_fullgraph_and_autocast():

@@ -1,7 +1,8 @@
 """lkcnn.ops: the large-kernel depthwise convolution.
 
 `dwconv2d(x, weight, bias=None, padding=None)` is the one entry point; it is backed by the registered ops
-`torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight`.
+`torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight` (and `dwconv2d_bwd`, both
+gradients in one call, which autograd uses when both are needed).
 """
 from .build import BuildError
 from .dwconv import conv_impl, cuda_unsupported_reason, dwconv2d, implementation

@@ -1,7 +1,7 @@
-"""The registered op `torch.ops.lkcnn.dwconv2d_fwd` (+ its two backward ops) and the public `dwconv2d`.
+"""The registered op `torch.ops.lkcnn.dwconv2d_fwd` (+ its backward ops) and the public `dwconv2d`.
 
 Each pass is its own custom op with a fake (meta) implementation, so autograd, torch.compile (no graph break) and
-FlopCounterMode see one op per pass. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
+FlopCounterMode see one op per pass; `dwconv2d_bwd` runs both backward passes, so that they can share a layout copy. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
 configuration is supported, and PyTorch's convolution otherwise. `LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice:
 `cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason (and sends kernels
 under AUTO_MIN_KERNEL to PyTorch without one).
@@ -146,6 +146,23 @@ def _(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -
     return x.new_empty((x.shape[1], 1, *kernel_size))
 
 
+@torch.library.custom_op("lkcnn::dwconv2d_bwd", mutates_args=())
+def dwconv2d_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, padding: list[int]) -> tuple[Tensor, Tensor]:
+    """(grad_input, grad_weight) in one call: what autograd runs when both are needed, so that lkcnn's kernels make
+    one NCHW copy of a channels_last grad_out for both passes instead of one each."""
+    if _use_cuda(x, list(weight.shape[-2:]), padding):
+        dx = _new_like(grad_out)
+        return dx, build.load().bwd(grad_out, x, weight, dx, padding[0], padding[1])
+    return dwconv2d_bwd_input(grad_out, weight, padding), dwconv2d_bwd_weight(grad_out, x, list(weight.shape[-2:]),
+                                                                               padding)
+
+
+@dwconv2d_bwd.register_fake
+def _(grad_out: Tensor, x: Tensor, weight: Tensor, padding: list[int]) -> tuple[Tensor, Tensor]:
+    return (torch.empty_like(grad_out, memory_format=_memory_format(grad_out)),
+            x.new_empty((x.shape[1], 1, *weight.shape[-2:])))
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, padding = inputs
     ctx.save_for_backward(x, weight)
@@ -167,9 +184,12 @@ def _laid_out_as(grad_w: Tensor, weight: Tensor) -> Tensor:
 def _backward(ctx, grad: Tensor):
     x, weight = ctx.saved_tensors
     grad_x = grad_w = grad_b = None
-    if ctx.needs_input_grad[0]:
+    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        grad_x, grad_w = dwconv2d_bwd(grad, x, weight, ctx.padding)
+        grad_w = _laid_out_as(grad_w, weight)
+    elif ctx.needs_input_grad[0]:
         grad_x = dwconv2d_bwd_input(grad, weight, ctx.padding)
-    if ctx.needs_input_grad[1]:
+    elif ctx.needs_input_grad[1]:
         grad_w = _laid_out_as(dwconv2d_bwd_weight(grad, x, list(weight.shape[-2:]), ctx.padding), weight)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         # fp16/bf16 sum in fp32, fp32/fp64 in their own precision
@@ -193,6 +213,11 @@ def _fwd_flops(x_shape, w_shape, bias_shape, padding, *args, **kwargs) -> int:
 @register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd_input)
 def _bwd_input_flops(grad_shape, w_shape, padding, *args, **kwargs) -> int:
     return _conv_flops(grad_shape, w_shape[-2:])
+
+
+@register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd)
+def _bwd_flops(grad_shape, x_shape, w_shape, padding, *args, **kwargs) -> int:
+    return 2 * _conv_flops(x_shape, w_shape[-2:])
 
 
 @register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd_weight)
