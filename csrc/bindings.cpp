@@ -159,6 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd", &lkcnn::bwd, "both gradients: the input gradient written into dx, the weight gradient returned; "
         "grad_out's NCHW copy is shared by the two passes", py::arg("grad_out"), py::arg("x"), py::arg("w"),
         py::arg("dx"), py::arg("ph"), py::arg("pw"));
+  m.def("to_nchw", &lkcnn::to_nchw, "an NCHW copy of a channels_last tensor through the tiled transpose (the tensor "
+        "itself when it is NCHW already)", py::arg("t"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
   m.def("path", &lkcnn::path_name, "which kernels run the forward (or the weight gradient) of x (N, C, H, W) with a "

@@ -68,6 +68,7 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_input, (torch.randn_like(x), w, [3, 2]))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (torch.randn_like(x), x, [7, 5], [3, 2]))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (torch.randn_like(x), x, w, [3, 2]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd_keep, (x, w, b, [3, 2]))
 
 
 def test_compile_fullgraph_has_no_graph_break():

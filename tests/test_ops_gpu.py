@@ -253,6 +253,26 @@ def test_one_gradient_at_a_time(dtype):
         assert rel_err(got, ref) <= TOL[dtype], f"{(n, c, h, w)} k={k} {layout} grad of {'x' if needs_x else 'w'}"
 
 
+def test_channels_last_training_ops():
+    """16-bit channels_last with gradients runs the forward that keeps its NCHW copy of x (for the weight gradient)
+    and both gradients in one op; fp32 and inference run the plain forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def ops_of(dtype, grad):
+        x = torch.randn(4, 8, 14, 14, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        w = (torch.randn(8, 1, 13, 13, device="cuda") / 13).to(dtype).requires_grad_(grad)
+        with FlopCounterMode(display=False) as counter:
+            y = dwconv2d(x.requires_grad_(grad), w)
+            if grad:
+                y.backward(torch.randn_like(y))
+        return set(counter.get_flop_counts()["Global"])
+
+    lk = torch.ops.lkcnn
+    assert ops_of(torch.bfloat16, True) == {lk.dwconv2d_fwd_keep, lk.dwconv2d_bwd}
+    assert ops_of(torch.float32, True) == {lk.dwconv2d_fwd, lk.dwconv2d_bwd}
+    assert ops_of(torch.bfloat16, False) == {lk.dwconv2d_fwd}
+
+
 def test_64bit_indexing():
     """A bf16 tensor of more than 2^31 elements: the last planes must be computed like the first."""
     n, c, h, w, k = 2100, 1024, 32, 32, 31  # 2.2e9 elements
@@ -275,8 +295,10 @@ def test_opcheck():
     dy = torch.randn_like(x)
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_input, (dy, w, [4, 3]))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (dy, x, [9, 7], [4, 3]))
-    for layout in LAYOUTS:  # the shared NCHW copy of a channels_last or strided gradient
+    for layout in LAYOUTS:  # the shared NCHW copy of a channels_last or strided gradient; the forward's kept copy
         torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (_layout(dy, layout), _layout(x, layout), w, [4, 3]))
+        xb = _layout(x.bfloat16(), layout)
+        torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd_keep, (xb, w.bfloat16(), b.bfloat16(), [4, 3]))
 
 
 def test_compile_fullgraph_and_autocast():

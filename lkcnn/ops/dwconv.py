@@ -1,7 +1,9 @@
 """The registered op `torch.ops.lkcnn.dwconv2d_fwd` (+ its backward ops) and the public `dwconv2d`.
 
 Each pass is its own custom op with a fake (meta) implementation, so autograd, torch.compile (no graph break) and
-FlopCounterMode see one op per pass; `dwconv2d_bwd` runs both backward passes, so that they can share a layout copy. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
+FlopCounterMode see one op per pass. Two variants exist for channels_last training, where lkcnn's kernels read NCHW
+copies: `dwconv2d_fwd_keep` also returns the forward's copy of x, which autograd saves for the weight gradient, and
+`dwconv2d_bwd` runs both backward passes on one copy of the gradient. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
 configuration is supported, and PyTorch's convolution otherwise. `LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice:
 `cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason (and sends kernels
 under AUTO_MIN_KERNEL to PyTorch without one).
@@ -119,6 +121,27 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Ten
     return torch.empty_like(x, memory_format=_memory_format(x))
 
 
+@torch.library.custom_op("lkcnn::dwconv2d_fwd_keep", mutates_args=())
+def dwconv2d_fwd_keep(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
+    """(dwconv2d_fwd's y, x as NCHW): the forward that also returns the NCHW copy of x lkcnn's kernels read, which
+    autograd then saves for the weight gradient instead of x, so that pass does not make the copy again. Where
+    PyTorch's convolution runs instead, the second output is empty."""
+    if _use_cuda(x, list(weight.shape[-2:]), padding):
+        ext = build.load()
+        x_nchw = x.clone() if x.is_contiguous() else ext.to_nchw(x)  # an output must not alias an input
+        y = _new_like(x)
+        ext.fwd(x_nchw, weight, bias, y, padding[0], padding[1], False)
+        return y, x_nchw
+    return dwconv2d_fwd(x, weight, bias, padding), x.new_empty(0)
+
+
+@dwconv2d_fwd_keep.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
+    keeps = implementation(x, list(weight.shape[-2:]), padding) == "cuda"  # metadata only: fine on fake tensors
+    x_nchw = torch.empty_like(x, memory_format=torch.contiguous_format) if keeps else x.new_empty(0)
+    return torch.empty_like(x, memory_format=_memory_format(x)), x_nchw
+
+
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_input", mutates_args=())
 def dwconv2d_bwd_input(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
     if _use_cuda(grad_out, list(weight.shape[-2:]), padding):
@@ -200,6 +223,23 @@ def _backward(ctx, grad: Tensor):
 dwconv2d_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _setup_context_keep(ctx, inputs, output) -> None:
+    x, weight, bias, padding = inputs
+    x_nchw = output[1]
+    ctx.mark_non_differentiable(x_nchw)
+    # the NCHW copy rather than x: the weight gradient reads it as it is (x where PyTorch's convolution ran)
+    ctx.save_for_backward(x_nchw if x_nchw.numel() else x, weight)
+    ctx.padding = padding
+    ctx.has_bias = bias is not None
+
+
+def _backward_keep(ctx, grad: Tensor, _grad_x_nchw: Tensor | None):
+    return _backward(ctx, grad)
+
+
+dwconv2d_fwd_keep.register_autograd(_backward_keep, setup_context=_setup_context_keep)
+
+
 def _conv_flops(shape: torch.Size, kernel_size) -> int:
     n, c, h, w = shape
     return 2 * n * c * h * w * kernel_size[0] * kernel_size[1]
@@ -207,6 +247,11 @@ def _conv_flops(shape: torch.Size, kernel_size) -> int:
 
 @register_flop_formula(torch.ops.lkcnn.dwconv2d_fwd)
 def _fwd_flops(x_shape, w_shape, bias_shape, padding, *args, **kwargs) -> int:
+    return _conv_flops(x_shape, w_shape[-2:])
+
+
+@register_flop_formula(torch.ops.lkcnn.dwconv2d_fwd_keep)
+def _fwd_keep_flops(x_shape, w_shape, bias_shape, padding, *args, **kwargs) -> int:
     return _conv_flops(x_shape, w_shape[-2:])
 
 
@@ -265,4 +310,8 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
     elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"dwconv2d: x is {x.dtype} but weight/bias are {weight.dtype}"
                          f"{'' if bias is None else '/' + str(bias.dtype)}; cast them to one dtype or use autocast")
+    if (x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and x.is_cuda
+            and (x.requires_grad or weight.requires_grad) and _memory_format(x) == torch.channels_last):
+        # lkcnn's 16-bit passes all read NCHW copies of channels_last tensors: the weight gradient reuses the forward's
+        return torch.ops.lkcnn.dwconv2d_fwd_keep(x, weight, bias, padding)[0]
     return torch.ops.lkcnn.dwconv2d_fwd(x, weight, bias, padding)
