@@ -41,7 +41,9 @@ def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int
     """Why lkcnn's CUDA kernels cannot run this call, or None when they can."""
     if not x.is_cuda:
         return f"the input is on {x.device.type}, not a CUDA device"
-    return _cuda_reason(x.device, x.dtype, *kernel_size, *padding, x.shape[-1])
+    # int(): in a dynamic-shape trace (dwconv2d_fwd_keep's fake asks too) sizes are SymInts, which the cache cannot
+    # hash; the answer depends on the kernel size and the map's width, so the trace specializes on those
+    return _cuda_reason(x.device, x.dtype, *map(int, kernel_size), *map(int, padding), int(x.shape[-1]))
 
 
 # Memoised: the answer depends only on these arguments, and every call of the op asks (a training step asks about
