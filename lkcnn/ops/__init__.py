@@ -1,8 +1,9 @@
 """lkcnn.ops: the large-kernel depthwise convolution.
 
 `dwconv2d(x, weight, bias=None, padding=None)` is the one entry point; it is backed by the registered ops
-`torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight` (and `dwconv2d_bwd`, both
-gradients in one call, which autograd uses when both are needed).
+`torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight`, and two variants that share layout
+copies in channels_last training: `dwconv2d_fwd_keep` (the output and the NCHW copy of x, saved for the weight
+gradient) and `dwconv2d_bwd` (both gradients from one call).
 """
 from .build import BuildError
 from .dwconv import conv_impl, cuda_unsupported_reason, dwconv2d, implementation

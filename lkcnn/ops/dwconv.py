@@ -1,12 +1,12 @@
 """The registered op `torch.ops.lkcnn.dwconv2d_fwd` (+ its backward ops) and the public `dwconv2d`.
 
 Each pass is its own custom op with a fake (meta) implementation, so autograd, torch.compile (no graph break) and
-FlopCounterMode see one op per pass. Two variants exist for channels_last training, where lkcnn's kernels read NCHW
+FlopCounterMode see one op per pass. Two variants serve channels_last training, where lkcnn's kernels read NCHW
 copies: `dwconv2d_fwd_keep` also returns the forward's copy of x, which autograd saves for the weight gradient, and
-`dwconv2d_bwd` runs both backward passes on one copy of the gradient. Each op runs lkcnn's CUDA kernels when the tensors are on a GPU and the
-configuration is supported, and PyTorch's convolution otherwise. `LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice:
-`cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason (and sends kernels
-under AUTO_MIN_KERNEL to PyTorch without one).
+`dwconv2d_bwd` runs both backward passes on one copy of the gradient. Each op runs lkcnn's CUDA kernels when the
+tensors are on a GPU and the configuration is supported, and PyTorch's convolution otherwise.
+`LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice: `cuda` raises when the kernels cannot run, `auto` falls back with
+one warning naming the reason (and sends kernels under AUTO_MIN_KERNEL to PyTorch without one).
 """
 from __future__ import annotations
 
@@ -314,6 +314,7 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
                          f"{'' if bias is None else '/' + str(bias.dtype)}; cast them to one dtype or use autocast")
     if (x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and x.is_cuda
             and (x.requires_grad or weight.requires_grad) and _memory_format(x) == torch.channels_last):
-        # lkcnn's 16-bit passes all read NCHW copies of channels_last tensors: the weight gradient reuses the forward's
+        # lkcnn's 16-bit passes all read NCHW copies of channels_last tensors: the weight gradient reuses the
+        # forward's
         return torch.ops.lkcnn.dwconv2d_fwd_keep(x, weight, bias, padding)[0]
     return torch.ops.lkcnn.dwconv2d_fwd(x, weight, bias, padding)
