@@ -76,8 +76,8 @@ void launch_dwconv_fwd_small(const at::Tensor& x, const at::Tensor& w, const at:
 void launch_dwconv_wgrad_small(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                                int64_t pw);
 
-// The fp32 forward of maps 33-56 wide with kernels 25-31 wide (up to 31 tall), batches of 8 or more: lanes of 14-column
-// strips of 8 samples (dwconv_fwd_strip.cu). w: (C, kh, kw) fp32 contiguous.
+// The fp32 forward of maps 33-56 wide with kernels 25-31 wide (up to 31 tall), batches of 8 or more: each warp one
+// 14-column strip of 4 output rows of 8 samples (dwconv_fwd_strip.cu). w: (C, kh, kw) fp32 contiguous.
 bool strip_fits(const at::Tensor& t, int64_t kh, int64_t kw);
 void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                              int64_t ph, int64_t pw);
