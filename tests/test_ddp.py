@@ -109,6 +109,37 @@ def test_sync_batchnorm_is_batchnorm_outside_distributed_training():
     assert synced.num_batches_tracked.item() == bn.num_batches_tracked.item() == 1
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_sync_batchnorm_traces_into_graph_ops(monkeypatch, layout):
+    """What torch.compile sees of the synchronized path (run on GPUs by tests/test_sync_batchnorm_gpu.py), traced
+    with fake tensors: the forward and backward ops with outputs shaped, typed and laid out as the real passes
+    return them (so the compiled graph is laid out right), and the running statistics updated in the graph."""
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lkcnn.training.sync_batchnorm import sync_batch_norm
+
+    group = SimpleNamespace(group_name="0", size=lambda: 2)  # the two attributes a process group is asked for
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path dynamo takes
+
+    def step(x, weight, bias, running_mean, running_var, dy):
+        y = sync_batch_norm(x, weight, bias, running_mean, running_var, 1e-5, 0.1, group)
+        return (y, *torch.autograd.grad(y, (x, weight, bias), dy))
+
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(4, 6, 5, 3, dtype=torch.bfloat16).contiguous(memory_format=memory_format).requires_grad_()
+    weight, bias = torch.ones(6, requires_grad=True), torch.zeros(6, requires_grad=True)
+    graph = make_fx(step, tracing_mode="fake")(x, weight, bias, torch.zeros(6), torch.ones(6), torch.randn_like(x))
+    called = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert {"lkcnn.sync_batch_norm_fwd.default", "lkcnn.sync_batch_norm_bwd.default"} <= set(called), called
+    assert called.count("aten.lerp_.Scalar") == 2, called  # running mean and running variance
+    outs = [n.meta["val"] for n in graph.graph.find_nodes(op="output")[0].args[0]]
+    assert [(o.shape, o.dtype) for o in outs] == [(x.shape, x.dtype), (x.shape, x.dtype), (weight.shape, torch.float32),
+                                                  (bias.shape, torch.float32)]
+    assert outs[0].is_contiguous(memory_format=memory_format) and outs[1].is_contiguous(memory_format=memory_format)
+
+
 def test_ema_copy_takes_no_gradients():
     """DDP registers every parameter that requires grad; an EMA copy that did would stop DDP with unused parameters."""
     model = dict(name="replknet_tiny", num_classes=4, kernel_sizes=[3, 3, 3, 3], small_kernel=3)

@@ -3,7 +3,8 @@ the collectives run).
 
 With one rank the synchronized statistics are the local ones, so forward, input/weight/bias gradients and the
 running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last,
-with and without affine parameters; and no host synchronization anywhere.
+with and without affine parameters; and no host synchronization anywhere. Compiled (the torch.library ops, also
+captured into CUDA graphs by mode="reduce-overhead") the same must hold step after step; opcheck checks the ops.
 """
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-from lkcnn.training.sync_batchnorm import sync_batch_norm
+from lkcnn.training.sync_batchnorm import (
+    sync_batch_norm,
+    sync_batch_norm_bwd,
+    sync_batch_norm_fwd,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -60,9 +66,70 @@ def test_matches_batchnorm(group, dtype, channels_last, affine):
         checks += [("grad_w", ws.grad, w64.grad), ("grad_b", bs.grad, b64.grad)]
     else:
         assert ws.grad is None and bs.grad is None, what
+    _assert_close(checks, tol, what)
+
+
+def _assert_close(checks, tol: float, what: str) -> None:
     for name, got, ref in checks:
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err <= tol, f"{name}: relative error {err:.1e} ({what})"
+
+
+class _Synced(nn.BatchNorm2d):
+    """BatchNorm2d whose training forward is sync_batch_norm over `group`, even a one-rank group (which
+    lkcnn.training.SyncBatchNorm skips): buffers and parameters as torch.compile sees them in a network."""
+
+    def __init__(self, channels: int, group) -> None:
+        super().__init__(channels)
+        self.group = group
+
+    def forward(self, x):
+        return sync_batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                               self.momentum, self.group)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["float32-nchw", "bfloat16-channels_last"])
+def test_compiled_matches_batchnorm(group, mode, dtype, channels_last):
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n, c, h, w = 6, 24, 9, 7
+    bn = _Synced(c, group).cuda()
+    with torch.no_grad():
+        bn.weight.copy_(torch.randn(c, device="cuda", generator=gen) + 1)
+        bn.bias.copy_(torch.randn(c, device="cuda", generator=gen))
+    w64, b64 = (p.detach().double().requires_grad_() for p in (bn.weight, bn.bias))
+    running64 = [torch.zeros(c, device="cuda", dtype=torch.float64), torch.ones(c, device="cuda", dtype=torch.float64)]
+    compiled = torch.compile(bn, fullgraph=True, mode=None if mode == "default" else mode)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    for step in range(3):  # CUDA graph trees warm up, record, then replay
+        x = (torch.randn(n, c, h, w, device="cuda", generator=gen) * 2 + 0.5).to(dtype)
+        x = x.contiguous(memory_format=memory_format).requires_grad_()
+        dy = torch.randn(n, c, h, w, device="cuda", generator=gen).to(dtype).contiguous(memory_format=memory_format)
+        torch.compiler.cudagraph_mark_step_begin()
+        y = compiled(x)
+        y.backward(dy)
+        x64 = x.detach().double().requires_grad_()
+        y64 = F.batch_norm(x64, *running64, w64, b64, training=True, momentum=0.1, eps=1e-5)
+        y64.backward(dy.double())
+        _assert_close([("out", y, y64), ("grad_x", x.grad, x64.grad), ("grad_w", bn.weight.grad, w64.grad),
+                       ("grad_b", bn.bias.grad, b64.grad), ("running_mean", bn.running_mean, running64[0]),
+                       ("running_var", bn.running_var, running64[1])],
+                      1e-4 if dtype == torch.float32 else 2e-2, f"seed={seed} {mode} {dtype} step {step}")
+        assert y.dtype == dtype and y.is_contiguous(memory_format=memory_format)
+        bn.zero_grad(set_to_none=True)
+        w64.grad = b64.grad = None
+
+
+def test_ops_opcheck(group):
+    x = torch.randn(4, 8, 5, 5, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    weight, bias = torch.rand(8, device="cuda", requires_grad=True), torch.randn(8, device="cuda", requires_grad=True)
+    torch.library.opcheck(sync_batch_norm_fwd, (x, weight, bias, 1e-5, group.group_name))
+    _, mean, invstd = sync_batch_norm_fwd(x.detach(), weight.detach(), bias.detach(), 1e-5, group.group_name)
+    for need in [(True, True, True), (False, True, False)]:
+        torch.library.opcheck(sync_batch_norm_bwd, (torch.randn_like(x), x.detach(), weight.detach(), mean, invstd,
+                                                    group.group_name, *need))
 
 
 def test_no_host_synchronization(group):

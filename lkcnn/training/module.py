@@ -70,6 +70,12 @@ class ClassificationModule(L.LightningModule):
         if self.model_ema is not None:  # its deep copy still requires grad, which DDP reports as unused parameters
             self.model_ema.requires_grad_(False)
         if compile:
+            # Under DDP, dynamo by default splits the graph at DDP's gradient buckets (DDPOptimizer) to overlap the
+            # all-reduce with the backward; in the split graphs BatchNorm's running-statistics updates count as
+            # mutated inputs, and inductor then runs them without CUDA graphs (pytorch/pytorch#139207). One graph
+            # gives up the overlap, which is cheap here: RepLKNet-31B's whole gradient all-reduces in ~1.1 ms on
+            # two H200s (docs/performance.md), against a ~60 ms step.
+            torch._dynamo.config.optimize_ddp = False
             try:  # in place: state_dict keys stay model.<official keys>
                 self.model.compile(mode=None if compile is True else compile)
             except RuntimeError as err:  # torch.compile checks the mode when it is called

@@ -7,11 +7,18 @@ its forward also makes the host wait for the GPU once per layer, by boolean inde
 step than the GPU. lkcnn's version issues the same kernels and collectives from one C++ autograd function
 (csrc/sync_batchnorm.cpp, built with the convolution kernels). Eval mode and one process run plain BatchNorm; CPU
 tensors, empty inputs, or a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
+
+Under torch.compile the same C++ passes run as two torch.library ops, `lkcnn::sync_batch_norm_fwd` and
+`lkcnn::sync_batch_norm_bwd`, with fake implementations: dynamo traces them without a graph
+break, and with `mode="reduce-overhead"` the collectives are captured into the step's CUDA graphs, so a DDP step
+needs no host time per layer at all. Eager mode keeps the single C++ autograd function: the ops' Python autograd
+wrapper would add host time to every layer.
 """
 from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
@@ -26,7 +33,76 @@ def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
     Every rank must pass the same number of samples; running statistics are updated in place. Raises
     lkcnn.ops.build.BuildError where the CUDA extension cannot be built.
     """
-    return build.load().sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group.group_name)
+    if not torch.compiler.is_compiling():
+        return build.load().sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum,
+                                            group.group_name)
+    y, mean, invstd = sync_batch_norm_fwd(x, weight, bias, eps, group.group_name)
+    if running_mean is not None:  # the update that batch_norm_gather_stats_with_counts makes in the eager path
+        n = x.numel() // x.shape[1] * group.size()
+        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+        running_var.lerp_(((invstd.pow(-2) - eps) * (n / (n - 1))).to(running_var.dtype), momentum)
+    return y
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of batch_norm_stats' mean and 1/std: float32 for 16-bit inputs (PyTorch's accumulate type)."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _layout(x: Tensor) -> torch.memory_format:
+    """The layout the C++ passes compute in (and return): channels_last where x is, else contiguous."""
+    return torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
+        else torch.contiguous_format
+
+
+# A functional op (a torch.library op that mutates its inputs cannot have an autograd formula): the running
+# statistics are updated by the caller, in the graph, where inductor fuses the update into one small kernel.
+@torch.library.custom_op("lkcnn::sync_batch_norm_fwd", mutates_args=())
+def sync_batch_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_name: str
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """sync_batch_norm's forward as an op: (output, mean, 1/std) with the statistics of every rank of the group."""
+    return build.load().sync_batch_norm_forward(x, weight, bias, None, None, eps, 0.0, group_name)
+
+
+@sync_batch_norm_fwd.register_fake
+def _(x, weight, bias, eps, group_name):
+    stats = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
+    return torch.empty_like(x, memory_format=_layout(x)), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("lkcnn::sync_batch_norm_bwd", mutates_args=())
+def sync_batch_norm_bwd(grad_out: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, invstd: Tensor,
+                        group_name: str, need_input: bool, need_weight: bool, need_bias: bool
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """sync_batch_norm's backward as an op: (grad_x, grad_weight, grad_bias), empty where not asked for."""
+    grads = build.load().sync_batch_norm_backward(grad_out, x, weight, mean, invstd, group_name, need_input,
+                                                  need_weight, need_bias)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)  # an op returns tensors, not None
+
+
+@sync_batch_norm_bwd.register_fake
+def _(grad_out, x, weight, mean, invstd, group_name, need_input, need_weight, need_bias):
+    param = weight is not None
+    return (torch.empty_like(x, memory_format=_layout(x)) if need_input else x.new_empty(0),
+            torch.empty_like(weight) if need_weight and param else x.new_empty(0),
+            torch.empty_like(weight) if need_bias and param else x.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, _, _, group_name = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])  # the statistics only update the running ones
+    ctx.group_name = group_name
+
+
+def _backward(ctx, grad: Tensor, _grad_mean, _grad_invstd):
+    x, weight, mean, invstd = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    grads = sync_batch_norm_bwd(grad, x, weight, mean, invstd, ctx.group_name, *need)
+    return (*(g if n else None for g, n in zip(grads, need)), None, None)
+
+
+sync_batch_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
