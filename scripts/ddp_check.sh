@@ -4,6 +4,7 @@
 # then the all-reduce bus bandwidth between the GPUs (scripts/allreduce_bw.py).
 # Usage: bash scripts/ddp_check.sh [hydra overrides for every run, e.g. trainer.sync_batchnorm=false]
 #        RUNS="g1b64 g2b64" bash scripts/ddp_check.sh ...   (a subset of g1b64 g2b64 g1b128 g2b128)
+#        ALLREDUCE=0 skips the all-reduce bandwidth measurement
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
@@ -36,4 +37,4 @@ print("step  1 GPU x128  2 GPUs x64")
 for s in sorted(set(a) & set(b))[:40:4]:
     print(f"{s:4d}  {a[s]:9.4f}  {b[s]:9.4f}")
 PY
-torchrun --standalone --nproc-per-node 2 scripts/allreduce_bw.py 2>&1 | tail -4
+[ "${ALLREDUCE:-1}" = 1 ] && torchrun --standalone --nproc-per-node 2 scripts/allreduce_bw.py 2>&1 | tail -4
