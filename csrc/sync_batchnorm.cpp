@@ -76,8 +76,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_forward(
   group->_allgather_base(gathered, local)->wait();
 #pragma GCC diagnostic pop
   const at::Tensor counts = at::full({world}, static_cast<double>(count), local.options());
+  // Without running statistics batch_norm_gather_stats_with_counts wants the counts in x's dtype, and bfloat16
+  // counts only up to 256 exactly: scratch statistics in the counts' dtype (written, never read) keep them exact.
+  const at::Tensor scratch = running_mean.has_value() ? at::Tensor() : at::empty({2, x.size(1)}, local.options());
   auto [mean, invstd] = at::batch_norm_gather_stats_with_counts(
-      x, gathered.select(1, 0), gathered.select(1, 1), running_mean, running_var, momentum, eps, counts);
+      x, gathered.select(1, 0), gathered.select(1, 1), running_mean.has_value() ? running_mean : scratch[0],
+      running_var.has_value() ? running_var : scratch[1], momentum, eps, counts);
   return {at::batch_norm_elemt(x, weight, bias, mean, invstd, eps), mean, invstd};
 }
 

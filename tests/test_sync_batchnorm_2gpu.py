@@ -9,6 +9,7 @@ one-rank cases are in test_sync_batchnorm_gpu.py.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
 from lkcnn.ops import build
 from lkcnn.training.sync_batchnorm import SyncBatchNorm, sync_batch_norm
@@ -59,6 +61,8 @@ def _rank(rank: int, folder: str) -> None:
                     "grad_b": bias.grad.cpu(), "running_mean": running[0].cpu(), "running_var": running[1].cpu()},
                    Path(folder) / f"rank{rank}.pt")
     finally:
+        # CUDA graphs that captured NCCL collectives must go before the process group (pytorch/pytorch#115388)
+        reset_cudagraph_trees()
         dist.destroy_process_group()
 
 
@@ -78,7 +82,13 @@ def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps):
     torch.save({"x": x, "dy": dy, "weight": weight, "bias": bias, "channels_last": channels_last,
                 "steps": steps},
                tmp_path / "inputs.pt")
-    mp.spawn(_rank, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    processes = mp.spawn(_rank, args=(str(tmp_path),), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300  # a rank that hangs in a collective fails the test instead of the session
+    while not processes.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail(f"the two ranks did not finish within 300 s (seed={seed})")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, bias))

@@ -92,6 +92,15 @@ class ClassificationModule(L.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images.contiguous(memory_format=self.memory_format))
 
+    def teardown(self, stage: str) -> None:
+        # With module.compile=reduce-overhead on several GPUs the step's CUDA graphs hold SyncBatchNorm's NCCL
+        # collectives, and while such graphs live, destroying the process group (at exit) hangs in
+        # ncclCommDestroy (pytorch/pytorch#115388): free them when the stage ends. A later stage records anew.
+        if self.hparams.compile:  # (imported here: inductor loads only when compiling)
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+
     def on_train_epoch_start(self) -> None:
         reseed_globals(self.hparams.seed, self.current_epoch, self.global_rank)
 
