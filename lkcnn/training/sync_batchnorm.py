@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 
 from lkcnn.ops import build
+from lkcnn.ops.dwconv import memory_format_of
 
 
 def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
@@ -49,12 +50,6 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def _layout(x: Tensor) -> torch.memory_format:
-    """The layout the C++ passes compute in (and return): channels_last where x is, else contiguous."""
-    return torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
-        else torch.contiguous_format
-
-
 # A functional op (a torch.library op that mutates its inputs cannot have an autograd formula): the running
 # statistics are updated by the caller, in the graph, where inductor fuses the update into one small kernel.
 @torch.library.custom_op("lkcnn::sync_batch_norm_fwd", mutates_args=())
@@ -67,7 +62,7 @@ def sync_batch_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, e
 @sync_batch_norm_fwd.register_fake
 def _(x, weight, bias, eps, group_name):
     stats = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
-    return torch.empty_like(x, memory_format=_layout(x)), stats, torch.empty_like(stats)
+    return torch.empty_like(x, memory_format=memory_format_of(x)), stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("lkcnn::sync_batch_norm_bwd", mutates_args=())
@@ -83,7 +78,7 @@ def sync_batch_norm_bwd(grad_out: Tensor, x: Tensor, weight: Tensor | None, mean
 @sync_batch_norm_bwd.register_fake
 def _(grad_out, x, weight, mean, invstd, group_name, need_input, need_weight, need_bias):
     param = weight is not None
-    return (torch.empty_like(x, memory_format=_layout(x)) if need_input else x.new_empty(0),
+    return (torch.empty_like(x, memory_format=memory_format_of(x)) if need_input else x.new_empty(0),
             torch.empty_like(weight) if need_weight and param else x.new_empty(0),
             torch.empty_like(weight) if need_bias and param else x.new_empty(0))
 
