@@ -170,12 +170,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),
         py::arg("momentum"), py::arg("group_name"));
-  m.def("sync_batch_norm_forward", &lkcnn::sync_batch_norm_forward,
-        "sync_batch_norm's forward pass alone: (output, mean, invstd); updates the running statistics",
-        py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
-        py::arg("eps"), py::arg("momentum"), py::arg("group_name"));
-  m.def("sync_batch_norm_backward", &lkcnn::sync_batch_norm_backward,
-        "sync_batch_norm's backward pass alone: (grad_input, grad_weight, grad_bias), None where not asked for",
-        py::arg("grad_out"), py::arg("input"), py::arg("weight"), py::arg("mean"), py::arg("invstd"),
-        py::arg("group_name"), py::arg("need_input"), py::arg("need_weight"), py::arg("need_bias"));
 }

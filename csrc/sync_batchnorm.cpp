@@ -1,16 +1,17 @@
-// Synchronized BatchNorm's training forward and backward in C++, as one autograd function (eager mode) and as the
-// two passes that back the torch.library ops lkcnn::sync_batch_norm_fwd / _bwd (torch.compile, CUDA graphs).
+// Synchronized BatchNorm's training forward and backward as one C++ autograd function (eager mode; under
+// torch.compile lkcnn/training/sync_batchnorm.py runs tensor ops that inductor fuses instead).
 //
 // Why C++: a DDP step of RepLKNet-31B runs ~200 BatchNorms, and a synchronized one costs host time in every forward
 // and backward. Written in Python on PyTorch's kernels and collectives (as torch.nn.SyncBatchNorm is), that host time
 // was ~0.7 ms per layer, ~140 ms per step: more than the GPU's whole step, so the GPUs waited for the host
 // (docs/performance.md, "Multi-GPU"). Here the same kernels and collectives (batch_norm_stats, one all-gather of
 // mean and 1/std; backward_reduce, one all-reduce of the two sums) are issued from C++. Nothing here waits for the
-// GPU: the collectives' wait() orders the current stream after them and returns, which also lets a CUDA graph
-// capture them.
+// GPU: the collectives' wait() orders the current stream after them and returns.
 // Every rank must hold the same number of samples (Lightning's distributed sampler sees to it), so one count serves
 // all ranks and no counts travel.
 #include "sync_batchnorm.h"
+
+#include <tuple>
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -31,31 +32,7 @@ std::optional<at::Tensor> if_defined(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-                            const std::optional<at::Tensor>& running_var, double eps, double momentum,
-                            const std::string& group_name) {
-    auto [y, mean, invstd] =
-        sync_batch_norm_forward(input, weight, bias, running_mean, running_var, eps, momentum, group_name);
-    ctx->save_for_backward({input, weight.value_or(at::Tensor()), mean, invstd});
-    ctx->saved_data["group"] = group_name;
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [grad_x, grad_w, grad_b] = sync_batch_norm_backward(
-        grads[0], saved[0], if_defined(saved[1]), saved[2], saved[3], ctx->saved_data["group"].toStringRef(),
-        ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
-    // one entry per forward argument: input, weight, bias, running_mean, running_var, eps, momentum, group_name
-    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-}  // namespace
-
+// The forward pass: (output, mean, 1/std), the last two being the synchronized batch statistics.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_forward(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, double eps,
@@ -85,6 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_forward(
   return {at::batch_norm_elemt(x, weight, bias, mean, invstd, eps), mean, invstd};
 }
 
+// The backward pass: (grad_input, grad_weight, grad_bias), each undefined where not asked for (or, for the last
+// two, where there is no weight).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
     const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
     const at::Tensor& mean, const at::Tensor& invstd, const std::string& group_name, bool need_input,
@@ -106,6 +85,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
   }
   return {grad_x, need_weight ? grad_weight : at::Tensor(), need_bias ? grad_bias : at::Tensor()};
 }
+
+class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+                            const std::optional<at::Tensor>& running_var, double eps, double momentum,
+                            const std::string& group_name) {
+    auto [y, mean, invstd] =
+        sync_batch_norm_forward(input, weight, bias, running_mean, running_var, eps, momentum, group_name);
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), mean, invstd});
+    ctx->saved_data["group"] = group_name;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_x, grad_w, grad_b] = sync_batch_norm_backward(
+        grads[0], saved[0], if_defined(saved[1]), saved[2], saved[3], ctx->saved_data["group"].toStringRef(),
+        ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+    // one entry per forward argument: input, weight, bias, running_mean, running_var, eps, momentum, group_name
+    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
 
 at::Tensor sync_batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,

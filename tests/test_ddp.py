@@ -109,35 +109,126 @@ def test_sync_batchnorm_is_batchnorm_outside_distributed_training():
     assert synced.num_batches_tracked.item() == bn.num_batches_tracked.item() == 1
 
 
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_sync_batchnorm_traces_into_graph_ops(monkeypatch, layout):
-    """What torch.compile sees of the synchronized path (run on GPUs by tests/test_sync_batchnorm_gpu.py), traced
-    with fake tensors: the forward and backward ops with outputs shaped, typed and laid out as the real passes
-    return them (so the compiled graph is laid out right), and the running statistics updated in the graph."""
+def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_all_reduce_each_way(monkeypatch):
+    """What torch.compile sees of the synchronized path, traced with fake tensors: plain tensor ops (which inductor
+    fuses with the neighbouring layers) around lkcnn::all_reduce_sum once in the forward and once in the backward,
+    the running statistics updated in the graph, and a channels_last output for a channels_last input."""
     from types import SimpleNamespace
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from lkcnn.training.sync_batchnorm import sync_batch_norm
 
-    group = SimpleNamespace(group_name="0", size=lambda: 2)  # the two attributes a process group is asked for
+    group = SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 1)  # what a process group is asked for
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path dynamo takes
 
     def step(x, weight, bias, running_mean, running_var, dy):
         y = sync_batch_norm(x, weight, bias, running_mean, running_var, 1e-5, 0.1, group)
         return (y, *torch.autograd.grad(y, (x, weight, bias), dy))
 
-    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    x = torch.randn(4, 6, 5, 3, dtype=torch.bfloat16).contiguous(memory_format=memory_format).requires_grad_()
+    x = torch.randn(4, 6, 5, 3, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
     weight, bias = torch.ones(6, requires_grad=True), torch.zeros(6, requires_grad=True)
     graph = make_fx(step, tracing_mode="fake")(x, weight, bias, torch.zeros(6), torch.ones(6), torch.randn_like(x))
     called = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
-    assert {"lkcnn.sync_batch_norm_fwd.default", "lkcnn.sync_batch_norm_bwd.default"} <= set(called), called
+    assert called.count("lkcnn.all_reduce_sum.default") == 2, called
     assert called.count("aten.lerp_.Scalar") == 2, called  # running mean and running variance
-    outs = [n.meta["val"] for n in graph.graph.find_nodes(op="output")[0].args[0]]
-    assert [(o.shape, o.dtype) for o in outs] == [(x.shape, x.dtype), (x.shape, x.dtype), (weight.shape, torch.float32),
-                                                  (bias.shape, torch.float32)]
-    assert outs[0].is_contiguous(memory_format=memory_format) and outs[1].is_contiguous(memory_format=memory_format)
+    y = graph.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
+    assert y.dtype == x.dtype and y.is_contiguous(memory_format=torch.channels_last)
+
+
+def _traceable_rank(rank: int, folder: str, compiled: str) -> None:
+    """One gloo rank: its half of the batch through traceable_sync_batch_norm (compiled or not), saved to a file."""
+    import torch.distributed as dist
+
+    from lkcnn.training.sync_batchnorm import traceable_sync_batch_norm
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        inputs = torch.load(Path(folder) / "inputs.pt")
+        half = slice(rank * 4, rank * 4 + 4)
+        x = inputs["x"][half].contiguous(memory_format=torch.channels_last).requires_grad_()
+        weight, bias = (inputs[k].clone().requires_grad_() for k in ("weight", "bias"))
+        running = [inputs["running_mean"].clone(), torch.ones(weight.shape)]
+        fn = traceable_sync_batch_norm if compiled == "eager" else \
+            torch.compile(traceable_sync_batch_norm, backend=compiled, fullgraph=True)
+        y = fn(x, weight, bias, *running, 1e-5, 0.1, dist.group.WORLD)
+        y.backward(inputs["dy"][half])
+        torch.save({"y": y.detach(), "grad_x": x.grad, "grad_w": weight.grad, "grad_b": bias.grad,
+                    "running": running, "channels_last": y.is_contiguous(memory_format=torch.channels_last)},
+                   Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compiled", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("offset", [0.5, 1000.0])
+def test_traceable_sync_batchnorm_on_two_ranks_is_batchnorm_of_the_whole_batch(tmp_path, compiled, offset):
+    """The path torch.compile takes (its all-reduce on gloo here): each rank's half of the batch normalized with the
+    statistics of both halves gives BatchNorm of the whole batch, the input gradient included; weight and bias
+    gradients are each rank's share (DDP sums them); every rank's running statistics are the whole batch's. With
+    activations far from zero (offset 1000) and a running mean that has followed them, the variance must keep its
+    precision in float32."""
+    import torch.multiprocessing as mp
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 6, 5, 3, generator=gen) * 2 + offset
+    dy, weight, bias = torch.randn(8, 6, 5, 3, generator=gen), torch.rand(6, generator=gen) + 0.5, torch.randn(6)
+    running_mean = torch.full((6,), offset) + torch.randn(6, generator=gen)  # near the batch mean, as in training
+    torch.save({"x": x, "dy": dy, "weight": weight, "bias": bias, "running_mean": running_mean},
+               tmp_path / "inputs.pt")
+    mp.spawn(_traceable_rank, args=(str(tmp_path), compiled), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, bias))
+    running64 = [running_mean.double(), torch.ones(6, dtype=torch.float64)]
+    F.batch_norm(x64, *running64, w64, b64, training=True, momentum=0.1, eps=1e-5).backward(dy.double())
+    y64 = F.batch_norm(x64.detach(), None, None, w64.detach(), b64.detach(), training=True, eps=1e-5)
+    close = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(torch.cat([r["y"] for r in ranks]).double(), y64, **close)
+    torch.testing.assert_close(torch.cat([r["grad_x"] for r in ranks]).double(), x64.grad, **close)
+    torch.testing.assert_close(sum(r["grad_w"] for r in ranks).double(), w64.grad, **close)
+    torch.testing.assert_close(sum(r["grad_b"] for r in ranks).double(), b64.grad, **close)
+    for r in ranks:
+        assert r["channels_last"]
+        torch.testing.assert_close([t.double() for t in r["running"]], running64, **close)
+
+
+@pytest.mark.parametrize("compile,world_size,num_nodes,device,fails,expected", [
+    (True, 2, 1, "cuda", False, "one-shot"), (True, 2, 1, "cuda", True, "warning"), (False, 2, 1, "cuda", False, None),
+    (True, 1, 1, "cuda", False, None), (True, 4, 2, "cuda", False, None), (True, 2, 1, "cpu", False, None)],
+    ids=["compiled-2-gpus", "cannot-set-up", "eager", "one-gpu", "two-machines", "cpu"])
+def test_symmetric_memory_is_set_up_for_compiled_ddp_on_one_machine(monkeypatch, compile, world_size, num_nodes,
+                                                                     device, fails, expected):
+    """Only a compiled run on several GPUs of one machine moves SyncBatchNorm's all-reduce to symmetric memory; where
+    it cannot be set up, the run warns and stays on NCCL."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import lkcnn.training.module as module_file
+
+    groups = []
+
+    def enable(group):
+        if fails:
+            raise RuntimeError("no peer access")
+        groups.append(group)
+
+    monkeypatch.setattr(module_file, "enable_one_shot_all_reduce", enable)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    trainer = SimpleNamespace(world_size=world_size, num_nodes=num_nodes,
+                              strategy=SimpleNamespace(root_device=torch.device(device)))
+    monkeypatch.setattr(ClassificationModule, "trainer", property(lambda self: trainer))
+    model = {"name": "replknet_tiny", "num_classes": 4, "kernel_sizes": [3, 3, 3, 3], "small_kernel": 3}
+    module = ClassificationModule(model, {"optimizer": {"opt": "adamw", "lr": 1e-3}, "scheduler": {"sched": "cosine"}},
+                                  compile=compile)
+    if expected == "warning":
+        with pytest.warns(UserWarning, match="stays on NCCL.*no peer access"):
+            module.setup("fit")
+    else:
+        module.setup("fit")
+    assert groups == ([dist.group.WORLD] if expected == "one-shot" else [])
 
 
 def test_ema_copy_takes_no_gradients():

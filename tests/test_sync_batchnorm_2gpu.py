@@ -3,7 +3,8 @@
 Each rank normalizes its half of the batch with the statistics of both halves: the outputs, the input gradient and
 the running statistics must be those of BatchNorm over the whole batch, and the weight and bias gradients each
 rank's share of the whole (DDP sums them). The same through lkcnn.training.SyncBatchNorm compiled with
-mode="reduce-overhead" (the collectives captured into CUDA graphs), over three steps. Skips without two GPUs; the
+mode="reduce-overhead" (the collectives captured into CUDA graphs), over three steps, with its all-reduce on NCCL and
+on symmetric memory. Skips without two GPUs; the
 one-rank cases are in test_sync_batchnorm_gpu.py.
 """
 from __future__ import annotations
@@ -20,7 +21,11 @@ import torch.nn.functional as F
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
 from lkcnn.ops import build
-from lkcnn.training.sync_batchnorm import SyncBatchNorm, sync_batch_norm
+from lkcnn.training.sync_batchnorm import (
+    SyncBatchNorm,
+    enable_one_shot_all_reduce,
+    sync_batch_norm,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 WORLD = 2
@@ -41,6 +46,8 @@ def _rank(rank: int, folder: str) -> None:
         x = inputs["x"][part].to(device).contiguous(memory_format=memory_format).requires_grad_()
         dy = inputs["dy"][part].to(device).contiguous(memory_format=memory_format)
         if inputs["steps"]:
+            if inputs["one_shot"]:
+                enable_one_shot_all_reduce(dist.group.WORLD)
             bn = SyncBatchNorm(x.shape[1]).to(device)
             with torch.no_grad():
                 bn.weight.copy_(inputs["weight"]), bn.bias.copy_(inputs["bias"])
@@ -66,12 +73,14 @@ def _rank(rank: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dtype,channels_last,steps", [
-    (torch.float32, False, 0), (torch.float32, True, 0), (torch.bfloat16, False, 0), (torch.bfloat16, True, 0),
-    (torch.float32, False, 3), (torch.bfloat16, True, 3)],
+@pytest.mark.parametrize("dtype,channels_last,steps,one_shot", [
+    (torch.float32, False, 0, False), (torch.float32, True, 0, False), (torch.bfloat16, False, 0, False),
+    (torch.bfloat16, True, 0, False), (torch.float32, False, 3, False), (torch.bfloat16, True, 3, False),
+    (torch.float32, True, 3, True), (torch.bfloat16, False, 3, True)],
     ids=["float32-nchw", "float32-channels_last", "bfloat16-nchw", "bfloat16-channels_last",
-         "float32-nchw-compiled", "bfloat16-channels_last-compiled"])
-def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps):
+         "float32-nchw-compiled", "bfloat16-channels_last-compiled", "float32-channels_last-compiled-one-shot",
+         "bfloat16-nchw-compiled-one-shot"])
+def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps, one_shot):
     build.load()  # build once here, not in both processes at once
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +89,7 @@ def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps):
     dy = torch.randn(n, c, h, w, generator=gen).to(dtype)
     weight, bias = torch.randn(c, generator=gen) + 1, torch.randn(c, generator=gen)
     torch.save({"x": x, "dy": dy, "weight": weight, "bias": bias, "channels_last": channels_last,
-                "steps": steps},
+                "steps": steps, "one_shot": one_shot},
                tmp_path / "inputs.pt")
     processes = mp.spawn(_rank, args=(str(tmp_path),), nprocs=WORLD, join=False)
     deadline = time.monotonic() + 300  # a rank that hangs in a collective fails the test instead of the session
@@ -99,7 +108,7 @@ def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps):
         y64.backward(dy.double())
 
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    what = f"seed={seed} {dtype} channels_last={channels_last} steps={steps}"
+    what = f"seed={seed} {dtype} channels_last={channels_last} steps={steps} one_shot={one_shot}"
     checks = [("out", torch.cat([r["y"] for r in ranks]), y64),
               ("grad_x", torch.cat([r["grad_x"] for r in ranks]), x64.grad),
               ("grad_w (sum over ranks)", sum(r["grad_w"] for r in ranks), w64.grad),

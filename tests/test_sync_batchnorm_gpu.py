@@ -3,8 +3,9 @@ the collectives run).
 
 With one rank the synchronized statistics are the local ones, so forward, input/weight/bias gradients and the
 running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last,
-with and without affine parameters; and no host synchronization anywhere. Compiled (the torch.library ops, also
-captured into CUDA graphs by mode="reduce-overhead") the same must hold step after step; opcheck checks the ops.
+with and without affine parameters; and no host synchronization anywhere. Compiled (traceable_sync_batch_norm, also
+captured into CUDA graphs by mode="reduce-overhead"), with its all-reduce on NCCL and on symmetric memory, the same
+must hold step after step; opcheck checks the all-reduce op.
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lkcnn.training import sync_batchnorm
 from lkcnn.training.sync_batchnorm import (
+    all_reduce_sum,
+    enable_one_shot_all_reduce,
     sync_batch_norm,
-    sync_batch_norm_bwd,
-    sync_batch_norm_fwd,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,6 +33,15 @@ def group():
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture(params=["nccl", "one-shot"])
+def all_reduce(request, group, monkeypatch):
+    """Where lkcnn::all_reduce_sum runs: NCCL, or symmetric memory set up for this test only."""
+    monkeypatch.setattr(sync_batchnorm, "_workspaces", {})
+    if request.param == "one-shot":
+        enable_one_shot_all_reduce(group)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -91,7 +102,7 @@ class _Synced(nn.BatchNorm2d):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.bfloat16, True)],
                          ids=["float32-nchw", "bfloat16-channels_last"])
-def test_compiled_matches_batchnorm(group, mode, dtype, channels_last):
+def test_compiled_matches_batchnorm(group, all_reduce, mode, dtype, channels_last):
     seed = random.randrange(2**31)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n, c, h, w = 6, 24, 9, 7
@@ -116,20 +127,16 @@ def test_compiled_matches_batchnorm(group, mode, dtype, channels_last):
         _assert_close([("out", y, y64), ("grad_x", x.grad, x64.grad), ("grad_w", bn.weight.grad, w64.grad),
                        ("grad_b", bn.bias.grad, b64.grad), ("running_mean", bn.running_mean, running64[0]),
                        ("running_var", bn.running_var, running64[1])],
-                      1e-4 if dtype == torch.float32 else 2e-2, f"seed={seed} {mode} {dtype} step {step}")
+                      1e-4 if dtype == torch.float32 else 2e-2, f"seed={seed} {mode} {all_reduce} {dtype} step {step}")
         assert y.dtype == dtype and y.is_contiguous(memory_format=memory_format)
         bn.zero_grad(set_to_none=True)
         w64.grad = b64.grad = None
 
 
-def test_ops_opcheck(group):
-    x = torch.randn(4, 8, 5, 5, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
-    weight, bias = torch.rand(8, device="cuda", requires_grad=True), torch.randn(8, device="cuda", requires_grad=True)
-    torch.library.opcheck(sync_batch_norm_fwd, (x, weight, bias, 1e-5, group.group_name))
-    _, mean, invstd = sync_batch_norm_fwd(x.detach(), weight.detach(), bias.detach(), 1e-5, group.group_name)
-    for need in [(True, True, True), (False, True, False)]:
-        torch.library.opcheck(sync_batch_norm_bwd, (torch.randn_like(x), x.detach(), weight.detach(), mean, invstd,
-                                                    group.group_name, *need))
+def test_all_reduce_sum_opcheck(group, all_reduce):
+    t = torch.randn(2, 48, device="cuda", requires_grad=True)
+    torch.library.opcheck(all_reduce_sum, (t, group.group_name))
+    torch.testing.assert_close(all_reduce_sum(t, group.group_name), t, rtol=0, atol=0)  # one rank: the sum is t
 
 
 def test_no_host_synchronization(group):

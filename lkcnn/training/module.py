@@ -15,8 +15,9 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -28,6 +29,7 @@ from .ema import ModelEma
 from .errors import ConfigError
 from .model_factory import build_model
 from .seeding import reseed_globals
+from .sync_batchnorm import enable_one_shot_all_reduce
 
 # the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -92,8 +94,22 @@ class ClassificationModule(L.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images.contiguous(memory_format=self.memory_format))
 
+    def setup(self, stage: str) -> None:
+        # Compiled on several GPUs of one machine, SyncBatchNorm's all-reduces (two per layer, on the critical path
+        # of the step) go through symmetric memory, which takes a third of NCCL's time (lkcnn.training.sync_batchnorm).
+        trainer = self.trainer
+        if not (self.hparams.compile and trainer.world_size > 1 and trainer.num_nodes == 1
+                and trainer.strategy.root_device.type == "cuda" and dist.is_initialized()):
+            return
+        try:
+            enable_one_shot_all_reduce(dist.group.WORLD)
+        except RuntimeError as err:  # e.g. GPUs without peer access: NCCL still works
+            rank_zero_warn(f"SyncBatchNorm stays on NCCL: symmetric memory cannot be set up ({err})")
+        else:
+            rank_zero_info("SyncBatchNorm all-reduces through symmetric memory (one-shot)")
+
     def teardown(self, stage: str) -> None:
-        # With module.compile=reduce-overhead on several GPUs the step's CUDA graphs hold SyncBatchNorm's NCCL
+        # With module.compile=reduce-overhead on several GPUs the step's CUDA graphs hold SyncBatchNorm's
         # collectives, and while such graphs live, destroying the process group (at exit) hangs in
         # ncclCommDestroy (pytorch/pytorch#115388): free them when the stage ends. A later stage records anew.
         if self.hparams.compile:  # (imported here: inductor loads only when compiling)

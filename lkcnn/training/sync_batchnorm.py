@@ -8,11 +8,14 @@ step than the GPU. lkcnn's version issues the same kernels and collectives from 
 (csrc/sync_batchnorm.cpp, built with the convolution kernels). Eval mode and one process run plain BatchNorm; CPU
 tensors, empty inputs, or a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
 
-Under torch.compile the same C++ passes run as two torch.library ops, `lkcnn::sync_batch_norm_fwd` and
-`lkcnn::sync_batch_norm_bwd`, with fake implementations: dynamo traces them without a graph
-break, and with `mode="reduce-overhead"` the collectives are captured into the step's CUDA graphs, so a DDP step
-needs no host time per layer at all. Eager mode keeps the single C++ autograd function: the ops' Python autograd
-wrapper would add host time to every layer.
+Under torch.compile, `traceable_sync_batch_norm` runs instead: the same arithmetic as tensor ops, which inductor
+fuses with the layers around them as it fuses BatchNorm on one GPU, around one all-reduce of the ranks' statistics,
+`lkcnn::all_reduce_sum`, an op with its own autograd formula (torch's functional collectives have autograd versions of
+all-gather and reduce-scatter, not of all-reduce). With `mode="reduce-overhead"` the whole step, collectives included,
+is replayed as CUDA graphs, so a DDP step needs no host time per layer. The all-reduce goes through NCCL, or through
+symmetric memory's one-shot all-reduce once `enable_one_shot_all_reduce` has set that up: 6 us against NCCL's 19 us
+per 8 KB all-reduce in a CUDA graph on 2x H200 (scripts/allreduce_bw.py), and a step makes two per BatchNorm.
+Eager mode keeps the single C++ autograd function: Python ops would cost host time in every layer.
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 
 from lkcnn.ops import build
-from lkcnn.ops.dwconv import memory_format_of
 
 
 def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
@@ -34,70 +37,81 @@ def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
     Every rank must pass the same number of samples; running statistics are updated in place. Raises
     lkcnn.ops.build.BuildError where the CUDA extension cannot be built.
     """
-    if not torch.compiler.is_compiling():
-        return build.load().sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum,
-                                            group.group_name)
-    y, mean, invstd = sync_batch_norm_fwd(x, weight, bias, eps, group.group_name)
-    if running_mean is not None:  # the update that batch_norm_gather_stats_with_counts makes in the eager path
-        n = x.numel() // x.shape[1] * group.size()
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        running_var.lerp_(((invstd.pow(-2) - eps) * (n / (n - 1))).to(running_var.dtype), momentum)
-    return y
+    if torch.compiler.is_compiling():
+        return traceable_sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group)
+    return build.load().sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group.group_name)
 
 
-def _stats_dtype(x: Tensor) -> torch.dtype:
-    """The dtype of batch_norm_stats' mean and 1/std: float32 for 16-bit inputs (PyTorch's accumulate type)."""
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+                              running_var: Tensor | None, eps: float, momentum: float, group) -> Tensor:
+    """sync_batch_norm as torch.compile runs it (module docstring), on any device and backend (gloo too)."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    world, rank = group.size(), group.rank()
+    local_var, local_mean = torch.var_mean(x.float(), dim=[0, *range(2, x.dim())], correction=0)
+    # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot, by a
+    # one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same order.
+    # Combined exactly (equal counts per rank): the variance is the ranks' mean variance plus the spread of their
+    # means, which keeps its precision where E[x^2] - E[x]^2 would not (activations far from zero).
+    # (Summing about a shared shift such as the running mean would need no slots, but inductor's backward then
+    # reads the running mean after the update below: wrong input gradients, seen on the CPU with torch 2.14.)
+    slot = (torch.arange(world, device=x.device) == rank).float().view(world, 1, 1)
+    slots = slot * torch.stack([local_mean, local_var])
+    means, variances = all_reduce_sum(slots, group.group_name).unbind(1)
+    mean = means.mean(0)
+    var = (variances + (means - mean).square()).mean(0)
+    if running_mean is not None:
+        n = x.numel() // x.shape[1] * world
+        with torch.no_grad():  # as torch's BatchNorm: the unbiased variance goes into the running estimate
+            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+            running_var.lerp_((var * (n / (n - 1))).to(running_var.dtype), momentum)
+    scale = torch.rsqrt(var + eps) if weight is None else torch.rsqrt(var + eps) * weight
+    y = (x.float() - mean.view(shape)) * scale.view(shape)
+    return (y if bias is None else y + bias.view(shape)).to(x.dtype)
 
 
-# A functional op (a torch.library op that mutates its inputs cannot have an autograd formula): the running
-# statistics are updated by the caller, in the graph, where inductor fuses the update into one small kernel.
-@torch.library.custom_op("lkcnn::sync_batch_norm_fwd", mutates_args=())
-def sync_batch_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, group_name: str
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """sync_batch_norm's forward as an op: (output, mean, 1/std) with the statistics of every rank of the group."""
-    return build.load().sync_batch_norm_forward(x, weight, bias, None, None, eps, 0.0, group_name)
+# group name -> this rank's symmetric-memory workspace, set up by enable_one_shot_all_reduce
+_workspaces: dict[str, Tensor] = {}
+_WORKSPACE_FLOATS = 1 << 18  # 1 MiB: RepLKNet's largest BatchNorm (4096 channels) sends 32 KiB per rank
 
 
-@sync_batch_norm_fwd.register_fake
-def _(x, weight, bias, eps, group_name):
-    stats = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
-    return torch.empty_like(x, memory_format=memory_format_of(x)), stats, torch.empty_like(stats)
+def enable_one_shot_all_reduce(group) -> None:
+    """Run lkcnn::all_reduce_sum over `group` as symmetric memory's one-shot all-reduce (each rank reads the others'
+    buffers over NVLink) instead of NCCL. Every rank must call it, with every rank's GPU reachable from every other
+    (one machine). Raises RuntimeError where symmetric memory cannot be set up."""
+    if group.group_name not in _workspaces:
+        workspace = symm_mem.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=torch.cuda.current_device())
+        symm_mem.rendezvous(workspace, group.group_name)  # a collective: exchanges the buffers' handles
+        _workspaces[group.group_name] = workspace
 
 
-@torch.library.custom_op("lkcnn::sync_batch_norm_bwd", mutates_args=())
-def sync_batch_norm_bwd(grad_out: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, invstd: Tensor,
-                        group_name: str, need_input: bool, need_weight: bool, need_bias: bool
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """sync_batch_norm's backward as an op: (grad_x, grad_weight, grad_bias), empty where not asked for."""
-    grads = build.load().sync_batch_norm_backward(grad_out, x, weight, mean, invstd, group_name, need_input,
-                                                  need_weight, need_bias)
-    return tuple(x.new_empty(0) if g is None else g for g in grads)  # an op returns tensors, not None
+@torch.library.custom_op("lkcnn::all_reduce_sum", mutates_args=())
+def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
+    """The sum of t over the ranks of the group, on every rank (float32, contiguous)."""
+    workspace = _workspaces.get(group_name)
+    if workspace is not None and t.is_cuda and t.dtype == torch.float32 and t.numel() <= workspace.numel():
+        # one kernel: copies t into this rank's buffer, waits for every rank's, sums them; it ends with a barrier,
+        # so the next call may reuse the buffer
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(workspace[:t.numel()], t.contiguous().view(-1), "sum",
+                                                           group_name).view(t.shape)
+    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
-@sync_batch_norm_bwd.register_fake
-def _(grad_out, x, weight, mean, invstd, group_name, need_input, need_weight, need_bias):
-    param = weight is not None
-    return (torch.empty_like(x, memory_format=memory_format_of(x)) if need_input else x.new_empty(0),
-            torch.empty_like(weight) if need_weight and param else x.new_empty(0),
-            torch.empty_like(weight) if need_bias and param else x.new_empty(0))
+@all_reduce_sum.register_fake
+def _(t, group_name):
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, _, _, group_name = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2])
-    ctx.mark_non_differentiable(output[1], output[2])  # the statistics only update the running ones
-    ctx.group_name = group_name
+def _all_reduce_sum_backward(ctx, grad: Tensor):
+    # every rank's input enters every rank's sum once: the gradient of an input is the sum of the outputs' gradients
+    return all_reduce_sum(grad, ctx.group_name), None
 
 
-def _backward(ctx, grad: Tensor, _grad_mean, _grad_invstd):
-    x, weight, mean, invstd = ctx.saved_tensors
-    need = ctx.needs_input_grad[:3]
-    grads = sync_batch_norm_bwd(grad, x, weight, mean, invstd, ctx.group_name, *need)
-    return (*(g if n else None for g, n in zip(grads, need)), None, None)
+def _all_reduce_sum_setup(ctx, inputs, output) -> None:
+    ctx.group_name = inputs[1]
 
 
-sync_batch_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+all_reduce_sum.register_autograd(_all_reduce_sum_backward, setup_context=_all_reduce_sum_setup)
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
