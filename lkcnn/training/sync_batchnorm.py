@@ -23,7 +23,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed._symmetric_memory as symm_mem
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 
@@ -78,6 +77,8 @@ def enable_one_shot_all_reduce(group) -> None:
     """Run lkcnn::all_reduce_sum over `group` as symmetric memory's one-shot all-reduce (each rank reads the others'
     buffers over NVLink) instead of NCCL. Every rank must call it, with every rank's GPU reachable from every other
     (one machine). Raises RuntimeError where symmetric memory cannot be set up."""
+    import torch.distributed._symmetric_memory as symm_mem  # here: only runs that set it up load it
+
     if group.group_name not in _workspaces:
         workspace = symm_mem.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=torch.cuda.current_device())
         symm_mem.rendezvous(workspace, group.group_name)  # a collective: exchanges the buffers' handles
