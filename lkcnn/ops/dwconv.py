@@ -95,16 +95,16 @@ def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
     return impl == "cuda"
 
 
-def memory_format_of(t: Tensor) -> torch.memory_format:
+def _memory_format(t: Tensor) -> torch.memory_format:
     """The layout outputs of t take: channels_last for channels_last t, contiguous otherwise (PyTorch's
-    suggest_memory_format for 4-d tensors; lkcnn's ops return it, so fake and real agree)."""
+    suggest_memory_format for 4-d tensors; the ops here return it, so fake and real agree)."""
     if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     return torch.contiguous_format
 
 
 def _new_like(t: Tensor) -> Tensor:
-    out = torch.empty_like(t, memory_format=memory_format_of(t))
+    out = torch.empty_like(t, memory_format=_memory_format(t))
     if os.environ.get("LKCNN_DEBUG_POISON") == "1":  # tests: every element the kernel fails to write stays NaN
         out.fill_(float("nan"))
     return out
@@ -116,12 +116,12 @@ def dwconv2d_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[i
         y = _new_like(x)
         build.load().fwd(x, weight, bias, y, padding[0], padding[1], False)
         return y
-    return reference.forward(x, weight, bias, padding).contiguous(memory_format=memory_format_of(x))
+    return reference.forward(x, weight, bias, padding).contiguous(memory_format=_memory_format(x))
 
 
 @dwconv2d_fwd.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Tensor:
-    return torch.empty_like(x, memory_format=memory_format_of(x))
+    return torch.empty_like(x, memory_format=_memory_format(x))
 
 
 @torch.library.custom_op("lkcnn::dwconv2d_fwd_keep", mutates_args=())
@@ -142,7 +142,7 @@ def dwconv2d_fwd_keep(x: Tensor, weight: Tensor, bias: Tensor | None, padding: l
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
     keeps = implementation(x, list(weight.shape[-2:]), padding) == "cuda"  # metadata only: fine on fake tensors
     x_nchw = torch.empty_like(x, memory_format=torch.contiguous_format) if keeps else x.new_empty(0)
-    return torch.empty_like(x, memory_format=memory_format_of(x)), x_nchw
+    return torch.empty_like(x, memory_format=_memory_format(x)), x_nchw
 
 
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_input", mutates_args=())
@@ -152,12 +152,12 @@ def dwconv2d_bwd_input(grad_out: Tensor, weight: Tensor, padding: list[int]) -> 
         # For odd kernels with 'same' padding the input gradient is the same correlation with the flipped kernel.
         build.load().fwd(grad_out, weight, None, dx, padding[0], padding[1], True)
         return dx
-    return reference.grad_input(grad_out, weight, padding).contiguous(memory_format=memory_format_of(grad_out))
+    return reference.grad_input(grad_out, weight, padding).contiguous(memory_format=_memory_format(grad_out))
 
 
 @dwconv2d_bwd_input.register_fake
 def _(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
-    return torch.empty_like(grad_out, memory_format=memory_format_of(grad_out))
+    return torch.empty_like(grad_out, memory_format=_memory_format(grad_out))
 
 
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_weight", mutates_args=())
@@ -185,7 +185,7 @@ def dwconv2d_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, padding: list[int]
 
 @dwconv2d_bwd.register_fake
 def _(grad_out: Tensor, x: Tensor, weight: Tensor, padding: list[int]) -> tuple[Tensor, Tensor]:
-    return (torch.empty_like(grad_out, memory_format=memory_format_of(grad_out)),
+    return (torch.empty_like(grad_out, memory_format=_memory_format(grad_out)),
             x.new_empty((x.shape[1], 1, *weight.shape[-2:])))
 
 
@@ -314,7 +314,7 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
         raise ValueError(f"dwconv2d: x is {x.dtype} but weight/bias are {weight.dtype}"
                          f"{'' if bias is None else '/' + str(bias.dtype)}; cast them to one dtype or use autocast")
     if (x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and x.is_cuda
-            and (x.requires_grad or weight.requires_grad) and memory_format_of(x) == torch.channels_last):
+            and (x.requires_grad or weight.requires_grad) and _memory_format(x) == torch.channels_last):
         # lkcnn's 16-bit passes all read NCHW copies of channels_last tensors: the weight gradient reuses the
         # forward's
         return torch.ops.lkcnn.dwconv2d_fwd_keep(x, weight, bias, padding)[0]

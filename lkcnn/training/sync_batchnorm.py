@@ -46,7 +46,8 @@ def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | N
     """sync_batch_norm as torch.compile runs it (module docstring), on any device and backend (gloo too)."""
     shape = (1, -1) + (1,) * (x.dim() - 2)
     world, rank = group.size(), group.rank()
-    local_var, local_mean = torch.var_mean(x.float(), dim=[0, *range(2, x.dim())], correction=0)
+    xf = x.float()
+    local_var, local_mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
     # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot, by a
     # one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same order.
     # Combined exactly (equal counts per rank): the variance is the ranks' mean variance plus the spread of their
@@ -64,7 +65,7 @@ def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | N
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
             running_var.lerp_((var * (n / (n - 1))).to(running_var.dtype), momentum)
     scale = torch.rsqrt(var + eps) if weight is None else torch.rsqrt(var + eps) * weight
-    y = (x.float() - mean.view(shape)) * scale.view(shape)
+    y = (xf - mean.view(shape)) * scale.view(shape)
     return (y if bias is None else y + bias.view(shape)).to(x.dtype)
 
 
