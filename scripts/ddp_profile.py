@@ -3,7 +3,13 @@ GPU-busy and host (CPU) time of a step, and the CUDA kernels that take the most 
 Lightning, so the numbers isolate the model, the BatchNorm and the collectives from the training app.
 
     torchrun --standalone --nproc-per-node 2 scripts/ddp_profile.py [--batch 64] [--bn none,lkcnn,torch] \
-        [--channels-last]
+        [--channels-last] [--compile reduce-overhead [--one-shot]] [--trace DIR]
+
+With --compile the network is compiled in place before DDP wraps it, as the training app does (one graph:
+module.py turns off dynamo's DDP graph splitting), and lkcnn's SyncBatchNorm runs as traced tensor ops around
+lkcnn::all_reduce_sum; --one-shot sends that all-reduce through symmetric memory as the app does on one machine.
+Each rank then also reports the time its GPU spent in collective kernels, which includes waiting for the other
+ranks at each synchronized BatchNorm, so the two ranks' figures show the skew between them.
 
 With one process, `--bn lkcnn` still takes lkcnn's synchronized path (a one-rank group), so its host cost shows on
 a single GPU; a small --batch (8) makes the GPU wait for the host, so the step time is the host time.
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import time
 
 import timm
@@ -22,7 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import lkcnn  # noqa: F401  registers the models
-from lkcnn.training.sync_batchnorm import SyncBatchNorm, sync_batch_norm
+from lkcnn.training.sync_batchnorm import (
+    SyncBatchNorm,
+    enable_one_shot_all_reduce,
+    sync_batch_norm,
+)
 
 
 class _AlwaysSynced(SyncBatchNorm):
@@ -36,7 +47,7 @@ class _AlwaysSynced(SyncBatchNorm):
                                self.momentum, dist.group.WORLD)
 
 
-def build(bn: str, device: torch.device, channels_last: bool) -> torch.nn.Module:
+def build(bn: str, device: torch.device, channels_last: bool, compile_mode: str | None) -> torch.nn.Module:
     model = timm.create_model("replknet31b").to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -46,7 +57,15 @@ def build(bn: str, device: torch.device, channels_last: bool) -> torch.nn.Module
             for m in model.modules():
                 if type(m) is torch.nn.SyncBatchNorm:
                     m.__class__ = _AlwaysSynced
+    if compile_mode:
+        torch._dynamo.config.optimize_ddp = False  # as lkcnn.training.module
+        model.compile(mode=compile_mode)
     return DistributedDataParallel(model, device_ids=[device.index])
+
+
+def _kernel_ms(kernels, *names: str) -> float:
+    """Device ms per profiled step (3 steps) of the kernels whose name contains any of `names`."""
+    return sum(e.self_device_time_total for e in kernels if any(n in e.key.lower() for n in names)) / 1e3 / 3
 
 
 def step_fn(model, opt, x, y):
@@ -67,17 +86,22 @@ def main() -> None:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--top", type=int, default=18, help="kernels to list")
     parser.add_argument("--top-host", type=int, default=0, help="host (CPU) ops to list")
+    parser.add_argument("--compile", default=None, help="torch.compile mode, e.g. reduce-overhead")
+    parser.add_argument("--one-shot", action="store_true", help="SyncBatchNorm's all-reduce on symmetric memory")
+    parser.add_argument("--trace", default=None, help="write each rank's Chrome trace (gzipped) into this folder")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
+    if args.one_shot:
+        enable_one_shot_all_reduce(dist.group.WORLD)
     x = torch.randn(args.batch, 3, 224, 224, device=device)
     if args.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
     for bn in args.bn:
-        model = build(bn, device, args.channels_last)
+        model = build(bn, device, args.channels_last, args.compile)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         step = step_fn(model, opt, x, y)
         for _ in range(5):
@@ -93,21 +117,34 @@ def main() -> None:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            path = os.path.join(args.trace, f"{bn}_rank{rank}.json")
+            prof.export_chrome_trace(path)
+            subprocess.run(["gzip", "-f", path], check=False)
+        averages = prof.key_averages()
+        kernels = sorted((e for e in averages if e.device_type.name == "CUDA"),
+                         key=lambda e: e.self_device_time_total, reverse=True)
+        gathered = [None] * world  # each rank's (NCCL ms, one-shot ms) per step
+        dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _kernel_ms(kernels, "one_shot")))
         if rank == 0:
-            averages = prof.key_averages()
             host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / 3
-            kernels = [e for e in averages if e.device_type.name == "CUDA"]
-            kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
             busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
-            nccl_ms = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e3 / 3
             print(f"\n== bn={bn}: {world} GPU(s) x {args.batch}: {world * args.batch / seconds:.1f} img/s, "
-                  f"step {seconds * 1e3:.1f} ms; kernels {busy_ms:.1f} ms/step (NCCL {nccl_ms:.1f}); "
-                  f"host {host_ms:.1f} ms/step (profiled, both threads)")
+                  f"step {seconds * 1e3:.1f} ms; kernels {busy_ms:.1f} ms/step; host {host_ms:.1f} ms/step "
+                  f"(profiled, both threads)")
+            for r, (nccl_ms, one_shot_ms) in enumerate(gathered):
+                print(f"   rank {r}: NCCL kernels {nccl_ms:.2f} ms/step, one-shot all-reduce kernels "
+                      f"{one_shot_ms:.2f} ms/step")
             for e in kernels[:args.top]:
                 print(f"{e.self_device_time_total / 1e3 / 3:8.2f} ms/step {e.count // 3:5d}x  {e.key[:110]}")
             for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top_host]:
                 print(f"{e.self_cpu_time_total / 1e3 / 3:8.2f} host ms/step {e.count // 3:5d}x  {e.key[:100]}")
         del model, opt, step
+        if args.compile:  # CUDA graphs holding collectives hang the process group's destruction (module.py)
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
         torch.cuda.empty_cache()
     dist.destroy_process_group()
 

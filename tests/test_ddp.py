@@ -112,7 +112,9 @@ def test_sync_batchnorm_is_batchnorm_outside_distributed_training():
 def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_all_reduce_each_way(monkeypatch):
     """What torch.compile sees of the synchronized path, traced with fake tensors: plain tensor ops (which inductor
     fuses with the neighbouring layers) around lkcnn::all_reduce_sum once in the forward and once in the backward,
-    the running statistics updated in the graph, and a channels_last output for a channels_last input."""
+    the running statistics updated in the graph, and a channels_last output for a channels_last input. The backward
+    reduces over the batch just twice (sum dy and sum dy * x_hat, which inductor fuses into one pass), as
+    BatchNorm's own backward does, not autograd's five reductions through var_mean."""
     from types import SimpleNamespace
 
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -132,6 +134,7 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_all_reduce_eac
     called = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
     assert called.count("lkcnn.all_reduce_sum.default") == 2, called
     assert called.count("aten.lerp_.Scalar") == 2, called  # running mean and running variance
+    assert called.count("aten.sum.dim_IntList") == 2, called
     y = graph.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
     assert y.dtype == x.dtype and y.is_contiguous(memory_format=torch.channels_last)
 

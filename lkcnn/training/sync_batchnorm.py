@@ -9,12 +9,14 @@ step than the GPU. lkcnn's version issues the same kernels and collectives from 
 tensors, empty inputs, or a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
 
 Under torch.compile, `traceable_sync_batch_norm` runs instead: the same arithmetic as tensor ops, which inductor
-fuses with the layers around them as it fuses BatchNorm on one GPU, around one all-reduce of the ranks' statistics,
-`lkcnn::all_reduce_sum`, an op with its own autograd formula (torch's functional collectives have autograd versions of
-all-gather and reduce-scatter, not of all-reduce). With `mode="reduce-overhead"` the whole step, collectives included,
-is replayed as CUDA graphs, so a DDP step needs no host time per layer. The all-reduce goes through NCCL, or through
-symmetric memory's one-shot all-reduce once `enable_one_shot_all_reduce` has set that up: 6 us against NCCL's 19 us
-per 8 KB all-reduce in a CUDA graph on 2x H200 (scripts/allreduce_bw.py), and a step makes two per BatchNorm.
+fuses with the layers around them as it fuses BatchNorm on one GPU, around one all-reduce of the ranks' statistics in
+the forward and one of the gradient's sums in the backward, which is written out as torch.nn.SyncBatchNorm's is
+(autograd through var_mean made seven reductions of the gradient, against two). The all-reduce is
+`lkcnn::all_reduce_sum`, a torch.library op, so that dynamo keeps it in the graph whichever path it takes. With
+`mode="reduce-overhead"` the whole step, collectives included, is replayed as CUDA graphs, so a DDP step needs no host
+time per layer. The all-reduce goes through NCCL, or through symmetric memory's one-shot all-reduce once
+`enable_one_shot_all_reduce` has set that up: 6 us against NCCL's 19 us per 8 KB all-reduce in a CUDA graph on 2x
+H200 (scripts/allreduce_bw.py), and a step makes two per BatchNorm.
 Eager mode keeps the single C++ autograd function: Python ops would cost host time in every layer.
 """
 from __future__ import annotations
@@ -44,29 +46,63 @@ def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
 def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                               running_var: Tensor | None, eps: float, momentum: float, group) -> Tensor:
     """sync_batch_norm as torch.compile runs it (module docstring), on any device and backend (gloo too)."""
-    shape = (1, -1) + (1,) * (x.dim() - 2)
     world, rank = group.size(), group.rank()
-    xf = x.float()
-    local_var, local_mean = torch.var_mean(xf, dim=[0, *range(2, x.dim())], correction=0)
-    # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot, by a
-    # one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same order.
-    # Combined exactly (equal counts per rank): the variance is the ranks' mean variance plus the spread of their
-    # means, which keeps its precision where E[x^2] - E[x]^2 would not (activations far from zero).
-    # (Summing about a shared shift such as the running mean would need no slots, but inductor's backward then
-    # reads the running mean after the update below: wrong input gradients, seen on the CPU with torch 2.14.)
-    slot = (torch.arange(world, device=x.device) == rank).float().view(world, 1, 1)
-    slots = slot * torch.stack([local_mean, local_var])
-    means, variances = all_reduce_sum(slots, group.group_name).unbind(1)
-    mean = means.mean(0)
-    var = (variances + (means - mean).square()).mean(0)
-    if running_mean is not None:
-        n = x.numel() // x.shape[1] * world
-        with torch.no_grad():  # as torch's BatchNorm: the unbiased variance goes into the running estimate
+    with torch.no_grad():  # the statistics' share of the input gradient is in _Normalize.backward
+        local_var, local_mean = torch.var_mean(x.float(), dim=_reduced_dims(x), correction=0)
+        # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot,
+        # by a one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same
+        # order. Combined exactly (equal counts per rank): the variance is the ranks' mean variance plus the spread
+        # of their means, which keeps its precision where E[x^2] - E[x]^2 would not (activations far from zero).
+        slot = (torch.arange(world, device=x.device) == rank).float().view(world, 1, 1)
+        means, variances = all_reduce_sum(slot * torch.stack([local_mean, local_var]), group.group_name).unbind(1)
+        mean = means.mean(0)
+        var = (variances + (means - mean).square()).mean(0)
+        if running_mean is not None:  # as torch's BatchNorm: the unbiased variance goes into the running estimate
+            n = x.numel() // x.shape[1] * world
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
             running_var.lerp_((var * (n / (n - 1))).to(running_var.dtype), momentum)
-    scale = torch.rsqrt(var + eps) if weight is None else torch.rsqrt(var + eps) * weight
-    y = (xf - mean.view(shape)) * scale.view(shape)
-    return (y if bias is None else y + bias.view(shape)).to(x.dtype)
+        invstd = torch.rsqrt(var + eps)
+    return _Normalize.apply(x, mean, invstd, weight, bias, group.group_name, world)
+
+
+def _reduced_dims(x: Tensor) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+class _Normalize(torch.autograd.Function):
+    """x normalized with the ranks' statistics, then scaled and shifted. Its backward is written out (as
+    torch.nn.SyncBatchNorm's is) rather than left to autograd through var_mean and the exchange: one fused reduction of
+    (sum dy, sum dy * x_hat), one all-reduce of the pair, one elementwise pass. Autograd's version took five reductions,
+    one of them recomputing the local mean: ~8 ms per RepLKNet-31B step on 2x H200 (docs/performance.md, session 11)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+                group_name: str, world: int) -> Tensor:
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.group_name, ctx.world, ctx.bias_dtype = group_name, world, None if bias is None else bias.dtype
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        scale = invstd if weight is None else invstd * weight
+        y = (x.float() - mean.view(shape)) * scale.view(shape)
+        y = y if bias is None else y + bias.view(shape)
+        # not y.to(x.dtype) when that is y itself: with torch 2.11, dynamo then passes a zero gradient to backward
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, mean, invstd, weight = ctx.saved_tensors
+        shape, dims = (1, -1) + (1,) * (x.dim() - 2), _reduced_dims(x)
+        dy = dy.float()
+        x_hat = (x.float() - mean.view(shape)) * invstd.view(shape)
+        sum_dy, sum_dy_x_hat = dy.sum(dims), (dy * x_hat).sum(dims)
+        # every rank's dy reaches every rank's input through the shared statistics: sum them over the ranks
+        total_dy, total_dy_x_hat = all_reduce_sum(torch.stack([sum_dy, sum_dy_x_hat]), ctx.group_name).unbind(0)
+        n = x.numel() // x.shape[1] * ctx.world
+        scale = invstd if weight is None else invstd * weight
+        grad_x = (dy - (total_dy / n).view(shape) - x_hat * (total_dy_x_hat / n).view(shape)) * scale.view(shape)
+        # weight and bias gradients are this rank's share: DDP all-reduces them with the other parameters
+        grad_weight = None if weight is None else sum_dy_x_hat.to(weight.dtype)
+        grad_bias = None if ctx.bias_dtype is None else sum_dy.to(ctx.bias_dtype)
+        return grad_x.to(x.dtype), None, None, grad_weight, grad_bias, None, None
 
 
 # group name -> this rank's symmetric-memory workspace, set up by enable_one_shot_all_reduce
@@ -104,16 +140,6 @@ def _(t, group_name):
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _all_reduce_sum_backward(ctx, grad: Tensor):
-    # every rank's input enters every rank's sum once: the gradient of an input is the sum of the outputs' gradients
-    return all_reduce_sum(grad, ctx.group_name), None
-
-
-def _all_reduce_sum_setup(ctx, inputs, output) -> None:
-    ctx.group_name = inputs[1]
-
-
-all_reduce_sum.register_autograd(_all_reduce_sum_backward, setup_context=_all_reduce_sum_setup)
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
