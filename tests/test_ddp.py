@@ -197,6 +197,43 @@ def test_traceable_sync_batchnorm_on_two_ranks_is_batchnorm_of_the_whole_batch(t
         torch.testing.assert_close([t.double() for t in r["running"]], running64, **close)
 
 
+def _one_shot_setup_rank(rank: int, folder: str) -> None:
+    """One gloo rank setting up the one-shot all-reduce, where rank 1 cannot allocate its buffer; the outcome saved."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from lkcnn.training import sync_batchnorm
+
+    def empty(*args, **kwargs):
+        if rank == 1:
+            raise RuntimeError("CUDA out of memory")
+        return torch.zeros(4)
+
+    symm_mem.empty = empty
+    torch.cuda.current_device = lambda: 0  # (no GPU here)
+    symm_mem.rendezvous = lambda *args: (Path(folder) / f"rendezvous{rank}").touch()  # would wait for rank 1
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        sync_batchnorm.enable_one_shot_all_reduce(dist.group.WORLD)
+        outcome = "set up"
+    except RuntimeError as err:
+        outcome = str(err)
+    finally:
+        dist.destroy_process_group()
+    (Path(folder) / f"rank{rank}.txt").write_text(outcome)
+
+
+def test_one_shot_setup_fails_on_every_rank_when_one_rank_fails(tmp_path):
+    """Symmetric memory's rendezvous is a collective: a rank that went on to it while another had failed to allocate
+    its buffer would wait forever. Every rank must raise instead (and so stay on NCCL), saying which rank failed."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_one_shot_setup_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "rank 1: CUDA out of memory"
+    assert not list(tmp_path.glob("rendezvous*"))
+
+
 @pytest.mark.parametrize("compile,world_size,num_nodes,device,fails,expected", [
     (True, 2, 1, "cuda", False, "one-shot"), (True, 2, 1, "cuda", True, "warning"), (False, 2, 1, "cuda", False, None),
     (True, 1, 1, "cuda", False, None), (True, 4, 2, "cuda", False, None), (True, 2, 1, "cpu", False, None)],

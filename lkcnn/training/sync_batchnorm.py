@@ -113,13 +113,23 @@ _WORKSPACE_FLOATS = 1 << 18  # 1 MiB: RepLKNet's largest BatchNorm (4096 channel
 def enable_one_shot_all_reduce(group) -> None:
     """Run lkcnn::all_reduce_sum over `group` as symmetric memory's one-shot all-reduce (each rank reads the others'
     buffers over NVLink) instead of NCCL. Every rank must call it, with every rank's GPU reachable from every other
-    (one machine). Raises RuntimeError where symmetric memory cannot be set up."""
-    import torch.distributed._symmetric_memory as symm_mem  # here: only runs that set it up load it
+    (one machine). Raises RuntimeError, on every rank, where symmetric memory cannot be set up on any of them."""
+    if group.group_name in _workspaces:
+        return
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # here: only runs that set it up load it
 
-    if group.group_name not in _workspaces:
         workspace = symm_mem.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=torch.cuda.current_device())
-        symm_mem.rendezvous(workspace, group.group_name)  # a collective: exchanges the buffers' handles
-        _workspaces[group.group_name] = workspace
+        error = None
+    except (ImportError, RuntimeError) as err:  # e.g. out of GPU memory, on this rank only
+        error = f"rank {group.rank()}: {err}"
+    # The ranks agree before the rendezvous, a collective that would wait forever for a rank that failed here.
+    errors = [None] * group.size()
+    dist.all_gather_object(errors, error, group=group)
+    if any(errors):
+        raise RuntimeError("; ".join(e for e in errors if e))
+    symm_mem.rendezvous(workspace, group.group_name)  # exchanges the buffers' handles
+    _workspaces[group.group_name] = workspace
 
 
 @torch.library.custom_op("lkcnn::all_reduce_sum", mutates_args=())
