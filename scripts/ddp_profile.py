@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import time
 
 import timm
@@ -119,9 +118,7 @@ def main() -> None:
             torch.cuda.synchronize()
         if args.trace:
             os.makedirs(args.trace, exist_ok=True)
-            path = os.path.join(args.trace, f"{bn}_rank{rank}.json")
-            prof.export_chrome_trace(path)
-            subprocess.run(["gzip", "-f", path], check=False)
+            prof.export_chrome_trace(os.path.join(args.trace, f"{bn}_rank{rank}.json.gz"))  # gzipped by its name
         averages = prof.key_averages()
         kernels = sorted((e for e in averages if e.device_type.name == "CUDA"),
                          key=lambda e: e.self_device_time_total, reverse=True)

@@ -114,7 +114,7 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_all_reduce_eac
     fuses with the neighbouring layers) around lkcnn::all_reduce_sum once in the forward and once in the backward,
     the running statistics updated in the graph, and a channels_last output for a channels_last input. The backward
     reduces over the batch just twice (sum dy and sum dy * x_hat, which inductor fuses into one pass), as
-    BatchNorm's own backward does, not autograd's five reductions through var_mean."""
+    BatchNorm's own backward does, not the five sums (and two means) of autograd through var_mean."""
     from types import SimpleNamespace
 
     from torch.fx.experimental.proxy_tensor import make_fx

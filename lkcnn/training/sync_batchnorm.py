@@ -47,8 +47,9 @@ def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | N
                               running_var: Tensor | None, eps: float, momentum: float, group) -> Tensor:
     """sync_batch_norm as torch.compile runs it (module docstring), on any device and backend (gloo too)."""
     world, rank = group.size(), group.rank()
+    count = x.numel() // x.shape[1] * world  # samples per channel over all ranks (each holds the same number)
     with torch.no_grad():  # the statistics' share of the input gradient is in _Normalize.backward
-        local_var, local_mean = torch.var_mean(x.float(), dim=_reduced_dims(x), correction=0)
+        local_var, local_mean = torch.var_mean(x.float(), dim=_channel_axes(x)[1], correction=0)
         # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot,
         # by a one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same
         # order. Combined exactly (equal counts per rank): the variance is the ranks' mean variance plus the spread
@@ -58,30 +59,32 @@ def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | N
         mean = means.mean(0)
         var = (variances + (means - mean).square()).mean(0)
         if running_mean is not None:  # as torch's BatchNorm: the unbiased variance goes into the running estimate
-            n = x.numel() // x.shape[1] * world
             running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-            running_var.lerp_((var * (n / (n - 1))).to(running_var.dtype), momentum)
+            running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
         invstd = torch.rsqrt(var + eps)
-    return _Normalize.apply(x, mean, invstd, weight, bias, group.group_name, world)
+    return _Normalize.apply(x, mean, invstd, weight, bias, group.group_name, count)
 
 
-def _reduced_dims(x: Tensor) -> list[int]:
-    return [0, *range(2, x.dim())]
+def _channel_axes(x: Tensor) -> tuple[tuple[int, ...], list[int]]:
+    """The shape that broadcasts a per-channel vector over x, and the dimensions BatchNorm reduces over."""
+    return (1, -1) + (1,) * (x.dim() - 2), [0, *range(2, x.dim())]
 
 
 class _Normalize(torch.autograd.Function):
     """x normalized with the ranks' statistics, then scaled and shifted. Its backward is written out (as
     torch.nn.SyncBatchNorm's is) rather than left to autograd through var_mean and the exchange: one fused reduction of
-    (sum dy, sum dy * x_hat), one all-reduce of the pair, one elementwise pass. Autograd's version took five reductions,
+    (sum dy, sum dy * x_hat), one all-reduce of the pair, one elementwise pass. Autograd's version took seven reductions,
     one of them recomputing the local mean: ~8 ms per RepLKNet-31B step on 2x H200 (docs/performance.md, session 11)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-                group_name: str, world: int) -> Tensor:
-        ctx.save_for_backward(x, mean, invstd, weight)
-        ctx.group_name, ctx.world, ctx.bias_dtype = group_name, world, None if bias is None else bias.dtype
-        shape = (1, -1) + (1,) * (x.dim() - 2)
+                group_name: str, count: int) -> Tensor:
+        shape = _channel_axes(x)[0]
         scale = invstd if weight is None else invstd * weight
+        ctx.save_for_backward(x, mean, invstd, scale)
+        ctx.group_name, ctx.count = group_name, count
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         y = (x.float() - mean.view(shape)) * scale.view(shape)
         y = y if bias is None else y + bias.view(shape)
         # not y.to(x.dtype) when that is y itself: with torch 2.11, dynamo then passes a zero gradient to backward
@@ -89,18 +92,17 @@ class _Normalize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, mean, invstd, weight = ctx.saved_tensors
-        shape, dims = (1, -1) + (1,) * (x.dim() - 2), _reduced_dims(x)
+        x, mean, invstd, scale = ctx.saved_tensors
+        shape, dims = _channel_axes(x)
         dy = dy.float()
         x_hat = (x.float() - mean.view(shape)) * invstd.view(shape)
         sum_dy, sum_dy_x_hat = dy.sum(dims), (dy * x_hat).sum(dims)
         # every rank's dy reaches every rank's input through the shared statistics: sum them over the ranks
         total_dy, total_dy_x_hat = all_reduce_sum(torch.stack([sum_dy, sum_dy_x_hat]), ctx.group_name).unbind(0)
-        n = x.numel() // x.shape[1] * ctx.world
-        scale = invstd if weight is None else invstd * weight
-        grad_x = (dy - (total_dy / n).view(shape) - x_hat * (total_dy_x_hat / n).view(shape)) * scale.view(shape)
+        mean_dy, mean_dy_x_hat = total_dy / ctx.count, total_dy_x_hat / ctx.count
+        grad_x = (dy - mean_dy.view(shape) - x_hat * mean_dy_x_hat.view(shape)) * scale.view(shape)
         # weight and bias gradients are this rank's share: DDP all-reduces them with the other parameters
-        grad_weight = None if weight is None else sum_dy_x_hat.to(weight.dtype)
+        grad_weight = None if ctx.weight_dtype is None else sum_dy_x_hat.to(ctx.weight_dtype)
         grad_bias = None if ctx.bias_dtype is None else sum_dy.to(ctx.bias_dtype)
         return grad_x.to(x.dtype), None, None, grad_weight, grad_bias, None, None
 
