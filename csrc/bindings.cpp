@@ -5,6 +5,7 @@
 
 #include "dwconv.h"
 #include "sync_batchnorm.h"
+#include "sync_exchange.h"
 
 namespace lkcnn {
 
@@ -170,4 +171,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),
         py::arg("momentum"), py::arg("group_name"));
+  m.def("exchange_workspace_bytes", &lkcnn::exchange_workspace_bytes,
+        "bytes of the symmetric-memory workspace each of `world` ranks allocates for the exchanges", py::arg("world"));
+  m.def("exchange_max_values", &lkcnn::exchange_max_values, "the most values exchange_sum takes");
+  m.def("exchange_max_channels", &lkcnn::exchange_max_channels, "the most channels exchange_batch_norm_stats takes");
+  m.def("exchange_sum", &lkcnn::exchange_sum, "out = the sum over the ranks of input, through the workspaces `peers`",
+        py::arg("input"), py::arg("out"), py::arg("peers"), py::arg("rank"));
+  m.def("exchange_batch_norm_stats", &lkcnn::exchange_batch_norm_stats,
+        "the ranks' batch statistics combined (mean_out, invstd_out) and the running statistics updated",
+        py::arg("mean"), py::arg("var"), py::arg("running_mean"), py::arg("running_var"), py::arg("mean_out"),
+        py::arg("invstd_out"), py::arg("momentum"), py::arg("eps"), py::arg("count"), py::arg("peers"),
+        py::arg("rank"));
 }

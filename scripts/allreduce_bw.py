@@ -6,8 +6,9 @@ docs/performance.md.
 Sizes: the gradient buckets DDP sends (25 MB) and RepLKNet-31B's whole fp32 gradient (319 MB). Bus bandwidth as
 nccl-tests defines it: bytes * 2 (n - 1) / n / time. Latency: 8 KB, the size of one SyncBatchNorm's statistics
 at 1024 channels, as 100 back-to-back all-reduces launched from Python and captured in one CUDA graph (as a compiled
-step runs them), through NCCL and through torch's symmetric-memory one-shot all-reduce; the graph's time per
-all-reduce is the floor of what each synchronized BatchNorm adds to a step, forward and backward each.
+step runs them), through NCCL, torch's symmetric-memory one-shot all-reduce and lkcnn's NVLink exchange
+(csrc/sync_exchange.cu); the graph's time per all-reduce is the floor of what each synchronized BatchNorm adds to a
+step, forward and backward each.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
+
+from lkcnn.training.sync_batchnorm import all_reduce_sum, enable_nvlink_exchange
 
 
 def main() -> None:
@@ -47,6 +50,11 @@ def main() -> None:
                  world)
     except (RuntimeError, AttributeError) as e:  # a diagnostic script: say why and go on
         print(f"symmetric memory one-shot all-reduce: unavailable ({type(e).__name__}: {e})")
+    try:  # lkcnn's: each rank pushes its values into the others' workspaces and waits for their flags
+        enable_nvlink_exchange(dist.group.WORLD)  # all_reduce_sum then runs it
+        _latency("lkcnn NVLink exchange", lambda: all_reduce_sum(small, dist.group.WORLD.group_name), rank, world)
+    except RuntimeError as e:
+        print(f"lkcnn NVLink exchange: unavailable ({e})")
     dist.destroy_process_group()
 
 

@@ -37,4 +37,4 @@ print("step  1 GPU x128  2 GPUs x64")
 for s in sorted(set(a) & set(b))[:40:4]:
     print(f"{s:4d}  {a[s]:9.4f}  {b[s]:9.4f}")
 PY
-if [ "${ALLREDUCE:-1}" = 1 ]; then torchrun --standalone --nproc-per-node 2 scripts/allreduce_bw.py 2>&1 | tail -4; fi
+if [ "${ALLREDUCE:-1}" = 1 ]; then torchrun --standalone --nproc-per-node 2 scripts/allreduce_bw.py 2>&1 | tail -8; fi

@@ -3,11 +3,11 @@ GPU-busy and host (CPU) time of a step, and the CUDA kernels that take the most 
 Lightning, so the numbers isolate the model, the BatchNorm and the collectives from the training app.
 
     torchrun --standalone --nproc-per-node 2 scripts/ddp_profile.py [--batch 64] [--bn none,lkcnn,torch] \
-        [--channels-last] [--compile reduce-overhead [--one-shot]] [--trace DIR]
+        [--channels-last] [--compile reduce-overhead [--nvlink]] [--trace DIR]
 
 With --compile the network is compiled in place before DDP wraps it, as the training app does (one graph:
 module.py turns off dynamo's DDP graph splitting), and lkcnn's SyncBatchNorm runs as traced tensor ops around
-lkcnn::all_reduce_sum; --one-shot sends that all-reduce through symmetric memory as the app does on one machine.
+its exchange ops; --nvlink sends those through lkcnn's NVLink kernels as the app does on one machine.
 Each rank then also reports the time its GPU spent in collective kernels, which includes waiting for the other
 ranks at each synchronized BatchNorm, so the two ranks' figures show the skew between them.
 
@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 import lkcnn  # noqa: F401  registers the models
 from lkcnn.training.sync_batchnorm import (
     SyncBatchNorm,
-    enable_one_shot_all_reduce,
+    enable_nvlink_exchange,
     sync_batch_norm,
 )
 
@@ -86,15 +86,15 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=18, help="kernels to list")
     parser.add_argument("--top-host", type=int, default=0, help="host (CPU) ops to list")
     parser.add_argument("--compile", default=None, help="torch.compile mode, e.g. reduce-overhead")
-    parser.add_argument("--one-shot", action="store_true", help="SyncBatchNorm's all-reduce on symmetric memory")
+    parser.add_argument("--nvlink", action="store_true", help="SyncBatchNorm's exchanges on lkcnn's NVLink kernels")
     parser.add_argument("--trace", default=None, help="write each rank's Chrome trace (gzipped) into this folder")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    if args.one_shot:
-        enable_one_shot_all_reduce(dist.group.WORLD)
+    if args.nvlink:
+        enable_nvlink_exchange(dist.group.WORLD)
     x = torch.randn(args.batch, 3, 224, 224, device=device)
     if args.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -122,17 +122,17 @@ def main() -> None:
         averages = prof.key_averages()
         kernels = sorted((e for e in averages if e.device_type.name == "CUDA"),
                          key=lambda e: e.self_device_time_total, reverse=True)
-        gathered = [None] * world  # each rank's (NCCL ms, one-shot ms) per step
-        dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _kernel_ms(kernels, "one_shot")))
+        gathered = [None] * world  # each rank's (NCCL ms, NVLink exchange ms) per step
+        dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _kernel_ms(kernels, "exchange_kernel")))
         if rank == 0:
             host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / 3
             busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
             print(f"\n== bn={bn}: {world} GPU(s) x {args.batch}: {world * args.batch / seconds:.1f} img/s, "
                   f"step {seconds * 1e3:.1f} ms; kernels {busy_ms:.1f} ms/step; host {host_ms:.1f} ms/step "
                   f"(profiled, both threads)")
-            for r, (nccl_ms, one_shot_ms) in enumerate(gathered):
-                print(f"   rank {r}: NCCL kernels {nccl_ms:.2f} ms/step, one-shot all-reduce kernels "
-                      f"{one_shot_ms:.2f} ms/step")
+            for r, (nccl_ms, exchange_ms) in enumerate(gathered):
+                print(f"   rank {r}: NCCL kernels {nccl_ms:.2f} ms/step, NVLink exchange kernels "
+                      f"{exchange_ms:.2f} ms/step")
             for e in kernels[:args.top]:
                 print(f"{e.self_device_time_total / 1e3 / 3:8.2f} ms/step {e.count // 3:5d}x  {e.key[:110]}")
             for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top_host]:

@@ -109,20 +109,29 @@ def test_sync_batchnorm_is_batchnorm_outside_distributed_training():
     assert synced.num_batches_tracked.item() == bn.num_batches_tracked.item() == 1
 
 
-def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_all_reduce_each_way(monkeypatch):
+@pytest.mark.parametrize("exchange", ["none", "nvlink", "nvlink-too-many-channels"])
+def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_way(monkeypatch, exchange):
     """What torch.compile sees of the synchronized path, traced with fake tensors: plain tensor ops (which inductor
-    fuses with the neighbouring layers) around lkcnn::all_reduce_sum once in the forward and once in the backward,
-    the running statistics updated in the graph, and a channels_last output for a channels_last input. The backward
+    fuses with the neighbouring layers) around one exchange in the forward and lkcnn::all_reduce_sum in the
+    backward, and a channels_last output for a channels_last input. The forward's exchange is lkcnn::all_reduce_sum
+    with the running statistics updated in the graph, or, once the NVLink exchange is set up (for layers within its
+    kernel's channel limit), the one op lkcnn::exchange_batch_norm_stats that also updates them. The backward
     reduces over the batch just twice (sum dy and sum dy * x_hat, which inductor fuses into one pass), as
     BatchNorm's own backward does, not the five sums (and two means) of autograd through var_mean."""
     from types import SimpleNamespace
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from lkcnn.training import sync_batchnorm
     from lkcnn.training.sync_batchnorm import sync_batch_norm
 
     group = SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 1)  # what a process group is asked for
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path dynamo takes
+    if exchange != "none":  # what enable_nvlink_exchange registers (nothing runs the kernels in a fake trace)
+        max_channels = 5 if exchange == "nvlink-too-many-channels" else 16384
+        monkeypatch.setitem(sync_batchnorm._exchanges, "0",
+                            sync_batchnorm._Exchange(torch.empty(0), [0, 0], 1, max_channels, 32768))
+    fused = exchange == "nvlink"
 
     def step(x, weight, bias, running_mean, running_var, dy):
         y = sync_batch_norm(x, weight, bias, running_mean, running_var, 1e-5, 0.1, group)
@@ -132,8 +141,9 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_all_reduce_eac
     weight, bias = torch.ones(6, requires_grad=True), torch.zeros(6, requires_grad=True)
     graph = make_fx(step, tracing_mode="fake")(x, weight, bias, torch.zeros(6), torch.ones(6), torch.randn_like(x))
     called = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
-    assert called.count("lkcnn.all_reduce_sum.default") == 2, called
-    assert called.count("aten.lerp_.Scalar") == 2, called  # running mean and running variance
+    assert called.count("lkcnn.exchange_batch_norm_stats.default") == fused, called
+    assert called.count("lkcnn.all_reduce_sum.default") == 2 - fused, called
+    assert called.count("aten.lerp_.Scalar") == 2 * (not fused), called  # running mean and running variance
     assert called.count("aten.sum.dim_IntList") == 2, called
     y = graph.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
     assert y.dtype == x.dtype and y.is_contiguous(memory_format=torch.channels_last)
@@ -197,8 +207,10 @@ def test_traceable_sync_batchnorm_on_two_ranks_is_batchnorm_of_the_whole_batch(t
         torch.testing.assert_close([t.double() for t in r["running"]], running64, **close)
 
 
-def _one_shot_setup_rank(rank: int, folder: str) -> None:
-    """One gloo rank setting up the one-shot all-reduce, where rank 1 cannot allocate its buffer; the outcome saved."""
+def _nvlink_setup_rank(rank: int, folder: str) -> None:
+    """One gloo rank setting up the NVLink exchange, where rank 1 cannot allocate its workspace; the outcome saved."""
+    from types import SimpleNamespace
+
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -210,11 +222,12 @@ def _one_shot_setup_rank(rank: int, folder: str) -> None:
         return torch.zeros(4)
 
     symm_mem.empty = empty
-    torch.cuda.current_device = lambda: 0  # (no GPU here)
+    sync_batchnorm.build.load = lambda: SimpleNamespace(exchange_workspace_bytes=lambda world: 4)  # (no GPU here)
+    torch.cuda.current_device, torch.cuda.synchronize = (lambda: 0), (lambda: None)
     symm_mem.rendezvous = lambda *args: (Path(folder) / f"rendezvous{rank}").touch()  # would wait for rank 1
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     try:
-        sync_batchnorm.enable_one_shot_all_reduce(dist.group.WORLD)
+        sync_batchnorm.enable_nvlink_exchange(dist.group.WORLD)
         outcome = "set up"
     except RuntimeError as err:
         outcome = str(err)
@@ -223,24 +236,24 @@ def _one_shot_setup_rank(rank: int, folder: str) -> None:
     (Path(folder) / f"rank{rank}.txt").write_text(outcome)
 
 
-def test_one_shot_setup_fails_on_every_rank_when_one_rank_fails(tmp_path):
+def test_nvlink_setup_fails_on_every_rank_when_one_rank_fails(tmp_path):
     """Symmetric memory's rendezvous is a collective: a rank that went on to it while another had failed to allocate
-    its buffer would wait forever. Every rank must raise instead (and so stay on NCCL), saying which rank failed."""
+    its workspace would wait forever. Every rank must raise instead (and so stay on NCCL), saying which rank failed."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_one_shot_setup_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    mp.spawn(_nvlink_setup_rank, args=(str(tmp_path),), nprocs=2, join=True)
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "rank 1: CUDA out of memory"
     assert not list(tmp_path.glob("rendezvous*"))
 
 
 @pytest.mark.parametrize("compile,world_size,num_nodes,device,fails,expected", [
-    (True, 2, 1, "cuda", False, "one-shot"), (True, 2, 1, "cuda", True, "warning"), (False, 2, 1, "cuda", False, None),
+    (True, 2, 1, "cuda", False, "nvlink"), (True, 2, 1, "cuda", True, "warning"), (False, 2, 1, "cuda", False, None),
     (True, 1, 1, "cuda", False, None), (True, 4, 2, "cuda", False, None), (True, 2, 1, "cpu", False, None)],
     ids=["compiled-2-gpus", "cannot-set-up", "eager", "one-gpu", "two-machines", "cpu"])
-def test_symmetric_memory_is_set_up_for_compiled_ddp_on_one_machine(monkeypatch, compile, world_size, num_nodes,
+def test_nvlink_exchange_is_set_up_for_compiled_ddp_on_one_machine(monkeypatch, compile, world_size, num_nodes,
                                                                      device, fails, expected):
-    """Only a compiled run on several GPUs of one machine moves SyncBatchNorm's all-reduce to symmetric memory; where
+    """Only a compiled run on several GPUs of one machine moves SyncBatchNorm's exchanges to NVLink; where
     it cannot be set up, the run warns and stays on NCCL."""
     from types import SimpleNamespace
 
@@ -255,7 +268,7 @@ def test_symmetric_memory_is_set_up_for_compiled_ddp_on_one_machine(monkeypatch,
             raise RuntimeError("no peer access")
         groups.append(group)
 
-    monkeypatch.setattr(module_file, "enable_one_shot_all_reduce", enable)
+    monkeypatch.setattr(module_file, "enable_nvlink_exchange", enable)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     trainer = SimpleNamespace(world_size=world_size, num_nodes=num_nodes,
                               strategy=SimpleNamespace(root_device=torch.device(device)))
@@ -268,7 +281,7 @@ def test_symmetric_memory_is_set_up_for_compiled_ddp_on_one_machine(monkeypatch,
             module.setup("fit")
     else:
         module.setup("fit")
-    assert groups == ([dist.group.WORLD] if expected == "one-shot" else [])
+    assert groups == ([dist.group.WORLD] if expected == "nvlink" else [])
 
 
 def test_ema_copy_takes_no_gradients():

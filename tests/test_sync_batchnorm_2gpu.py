@@ -3,8 +3,8 @@
 Each rank normalizes its half of the batch with the statistics of both halves: the outputs, the input gradient and
 the running statistics must be those of BatchNorm over the whole batch, and the weight and bias gradients each
 rank's share of the whole (DDP sums them). The same through lkcnn.training.SyncBatchNorm compiled with
-mode="reduce-overhead" (the collectives captured into CUDA graphs), over three steps, with its all-reduce on NCCL and
-on symmetric memory. Skips without two GPUs; the
+mode="reduce-overhead" (the collectives captured into CUDA graphs), over three steps, with its exchanges on NCCL and
+on lkcnn's NVLink kernels; and those kernels alone, call after call, against float64. Skips without two GPUs; the
 one-rank cases are in test_sync_batchnorm_gpu.py.
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
 from lkcnn.ops import build
+from lkcnn.training import sync_batchnorm
 from lkcnn.training.sync_batchnorm import (
     SyncBatchNorm,
-    enable_one_shot_all_reduce,
+    enable_nvlink_exchange,
     sync_batch_norm,
 )
 
@@ -46,8 +47,8 @@ def _rank(rank: int, folder: str) -> None:
         x = inputs["x"][part].to(device).contiguous(memory_format=memory_format).requires_grad_()
         dy = inputs["dy"][part].to(device).contiguous(memory_format=memory_format)
         if inputs["steps"]:
-            if inputs["one_shot"]:
-                enable_one_shot_all_reduce(dist.group.WORLD)
+            if inputs["nvlink"]:
+                enable_nvlink_exchange(dist.group.WORLD)
             bn = SyncBatchNorm(x.shape[1]).to(device)
             with torch.no_grad():
                 bn.weight.copy_(inputs["weight"]), bn.bias.copy_(inputs["bias"])
@@ -73,14 +74,27 @@ def _rank(rank: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dtype,channels_last,steps,one_shot", [
+def _spawn(fn, folder: Path, what: str) -> list[dict]:
+    """fn(rank, folder) on WORLD processes; what each saved to folder/rank<rank>.pt. A rank that hangs in a collective
+    fails the test (after 300 s) instead of the session."""
+    processes = mp.spawn(fn, args=(str(folder),), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300
+    while not processes.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in processes.processes:
+                process.kill()
+            pytest.fail(f"the two ranks did not finish within 300 s ({what})")
+    return [torch.load(folder / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("dtype,channels_last,steps,nvlink", [
     (torch.float32, False, 0, False), (torch.float32, True, 0, False), (torch.bfloat16, False, 0, False),
     (torch.bfloat16, True, 0, False), (torch.float32, False, 3, False), (torch.bfloat16, True, 3, False),
     (torch.float32, True, 3, True), (torch.bfloat16, False, 3, True)],
     ids=["float32-nchw", "float32-channels_last", "bfloat16-nchw", "bfloat16-channels_last",
-         "float32-nchw-compiled", "bfloat16-channels_last-compiled", "float32-channels_last-compiled-one-shot",
-         "bfloat16-nchw-compiled-one-shot"])
-def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps, one_shot):
+         "float32-nchw-compiled", "bfloat16-channels_last-compiled", "float32-channels_last-compiled-nvlink",
+         "bfloat16-nchw-compiled-nvlink"])
+def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps, nvlink):
     build.load()  # build once here, not in both processes at once
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
@@ -89,16 +103,9 @@ def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps, one_sh
     dy = torch.randn(n, c, h, w, generator=gen).to(dtype)
     weight, bias = torch.randn(c, generator=gen) + 1, torch.randn(c, generator=gen)
     torch.save({"x": x, "dy": dy, "weight": weight, "bias": bias, "channels_last": channels_last,
-                "steps": steps, "one_shot": one_shot},
+                "steps": steps, "nvlink": nvlink},
                tmp_path / "inputs.pt")
-    processes = mp.spawn(_rank, args=(str(tmp_path),), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 300  # a rank that hangs in a collective fails the test instead of the session
-    while not processes.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in processes.processes:
-                process.kill()
-            pytest.fail(f"the two ranks did not finish within 300 s (seed={seed})")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = _spawn(_rank, tmp_path, f"seed={seed}")
 
     x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, bias))
     running64 = [torch.zeros(c, dtype=torch.float64), torch.ones(c, dtype=torch.float64)]
@@ -108,7 +115,7 @@ def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps, one_sh
         y64.backward(dy.double())
 
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    what = f"seed={seed} {dtype} channels_last={channels_last} steps={steps} one_shot={one_shot}"
+    what = f"seed={seed} {dtype} channels_last={channels_last} steps={steps} nvlink={nvlink}"
     checks = [("out", torch.cat([r["y"] for r in ranks]), y64),
               ("grad_x", torch.cat([r["grad_x"] for r in ranks]), x64.grad),
               ("grad_w (sum over ranks)", sum(r["grad_w"] for r in ranks), w64.grad),
@@ -118,3 +125,105 @@ def test_two_ranks_match_batchnorm(tmp_path, dtype, channels_last, steps, one_sh
     for name, got, ref in checks:
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err <= tol, f"{name}: relative error {err:.1e} ({what})"
+
+
+def _exchange_rank(rank: int, folder: str) -> None:
+    """One process: a random sequence of NVLink exchange calls of every size class (eager, then replayed from a CUDA
+    graph), each against float64 of every rank's inputs (which both ranks draw from one seed); errors and outputs
+    saved to folder/rank<rank>.pt."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD,
+                            device_id=device)
+    try:
+        enable_nvlink_exchange(dist.group.WORLD)
+        ext, exchange = build.load(), sync_batchnorm._exchanges[dist.group.WORLD.group_name]
+        peers = (exchange.peers, exchange.rank)
+        gen = torch.Generator().manual_seed(torch.load(Path(folder) / "inputs.pt")["seed"])
+        max_values, max_channels = ext.exchange_max_values(), ext.exchange_max_channels()
+        # one and several blocks, partial blocks, the largest sizes; in a shuffled order, three times over, so that
+        # blocks are reused across calls of other sizes and both halves of the workspace
+        calls = [("sum", n) for n in (1, 48, 512, 513, 8192, max_values)]
+        calls += [("stats", c) for c in (1, 24, 256, 257, 4096, max_channels)]
+        order = [calls[i] for _ in range(3) for i in torch.randperm(len(calls), generator=gen).tolist()]
+        errors, outputs = [], []
+
+        def draw(kind, size):
+            """Every rank's inputs (float32, CPU) and their float64 reference results."""
+            if kind == "sum":
+                values = torch.randn(WORLD, size, generator=gen) * 10
+                return (values,), (values.double().sum(0),)
+            means = torch.randn(WORLD, size, generator=gen) * 3 + 0.5
+            variances = torch.rand(WORLD, size, generator=gen) * 4 + 0.1
+            running = [torch.randn(size, generator=gen), torch.rand(size, generator=gen) + 0.5]
+            count = 2 * 37
+            m64 = means.double().mean(0)
+            v64 = (variances.double() + (means.double() - m64).square()).mean(0)
+            refs = (m64, (v64 + 1e-5).rsqrt(), running[0].double().lerp(m64, 0.1),
+                    running[1].double().lerp(v64 * count / (count - 1), 0.1))
+            return (means, variances, *running), refs
+
+        def launch(kind, ins, outs):
+            if kind == "sum":
+                ext.exchange_sum(ins[0], outs[0], *peers)
+            else:
+                ext.exchange_batch_norm_stats(ins[0], ins[1], outs[2], outs[3], outs[0], outs[1], 0.1, 1e-5, 2 * 37,
+                                              *peers)
+
+        def staged(kind, cpu_ins, outs):
+            """This rank's inputs on the GPU; outputs poisoned, running statistics (in/out) set to their start."""
+            ins = [t[rank].to(device) for t in cpu_ins[:2 if kind == "stats" else 1]]
+            for out in outs[:2 if kind == "stats" else 1]:
+                out.fill_(float("nan"))
+            for out, start in zip(outs[2:], cpu_ins[2:]):
+                out.copy_(start)
+            return ins
+
+        def record(label, outs, refs):
+            for i, (got, ref) in enumerate(zip(outs, refs)):
+                errors.append((f"{label} output {i}", ((got.double().cpu() - ref).norm() / ref.norm()).item()))
+                outputs.append(got.cpu())
+
+        for step, (kind, size) in enumerate(order):
+            cpu_ins, refs = draw(kind, size)
+            outs = [torch.empty(size, device=device) for _ in refs]
+            launch(kind, staged(kind, cpu_ins, outs), outs)
+            record(f"call {step} ({kind} of {size})", outs, refs)
+
+        # replayed from a CUDA graph, as reduce-overhead runs them: the call counters advance on the GPU
+        graph_calls = [("stats", 300), ("sum", 1000), ("stats", 4096)]
+        static = []
+        for kind, size in graph_calls:
+            cpu_ins, refs = draw(kind, size)
+            outs = [torch.empty(size, device=device) for _ in refs]
+            static.append((staged(kind, cpu_ins, outs), outs))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for (kind, _), (ins, outs) in zip(graph_calls, static):
+                launch(kind, ins, outs)
+        for replay in range(3):
+            all_refs = []
+            for (kind, size), (ins, outs) in zip(graph_calls, static):
+                cpu_ins, refs = draw(kind, size)
+                for dst, src in zip(ins, staged(kind, cpu_ins, outs)):
+                    dst.copy_(src)
+                all_refs.append(refs)
+            graph.replay()
+            for (kind, size), (_, outs), refs in zip(graph_calls, static, all_refs):
+                record(f"graph replay {replay} ({kind} of {size})", outs, refs)
+        torch.save({"errors": errors, "outputs": outputs}, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nvlink_exchange_kernels_match_float64(tmp_path):
+    build.load()
+    seed = random.randrange(2**31)
+    torch.save({"seed": seed}, tmp_path / "inputs.pt")
+    ranks = _spawn(_exchange_rank, tmp_path, f"seed={seed}")
+    for r in ranks:
+        for label, err in r["errors"]:
+            assert err <= 1e-5, f"{label}: relative error {err:.1e} (seed={seed})"
+    assert len(ranks[0]["outputs"]) == len(ranks[1]["outputs"]) > 0
+    for a, b in zip(ranks[0]["outputs"], ranks[1]["outputs"]):  # every rank gets the same numbers, bit for bit
+        assert torch.equal(a, b), f"the ranks' results differ (seed={seed})"

@@ -4,8 +4,8 @@ the collectives run).
 With one rank the synchronized statistics are the local ones, so forward, input/weight/bias gradients and the
 running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last,
 with and without affine parameters; and no host synchronization anywhere. Compiled (traceable_sync_batch_norm, also
-captured into CUDA graphs by mode="reduce-overhead"), with its all-reduce on NCCL and on symmetric memory, the same
-must hold step after step; opcheck checks the all-reduce op.
+captured into CUDA graphs by mode="reduce-overhead"), with its exchanges on NCCL and on lkcnn's NVLink kernels, the
+same must hold step after step; opcheck checks the exchange ops.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from torch import nn
 from lkcnn.training import sync_batchnorm
 from lkcnn.training.sync_batchnorm import (
     all_reduce_sum,
-    enable_one_shot_all_reduce,
+    enable_nvlink_exchange,
+    exchange_batch_norm_stats,
     sync_batch_norm,
 )
 
@@ -35,12 +36,12 @@ def group():
     dist.destroy_process_group()
 
 
-@pytest.fixture(params=["nccl", "one-shot"])
-def all_reduce(request, group, monkeypatch):
-    """Where lkcnn::all_reduce_sum runs: NCCL, or symmetric memory set up for this test only."""
-    monkeypatch.setattr(sync_batchnorm, "_workspaces", {})
-    if request.param == "one-shot":
-        enable_one_shot_all_reduce(group)
+@pytest.fixture(params=["nccl", "nvlink"])
+def exchange(request, group, monkeypatch):
+    """Where SyncBatchNorm's exchanges run: NCCL, or lkcnn's NVLink kernels set up for this test only."""
+    monkeypatch.setattr(sync_batchnorm, "_exchanges", {})
+    if request.param == "nvlink":
+        enable_nvlink_exchange(group)
     return request.param
 
 
@@ -102,7 +103,7 @@ class _Synced(nn.BatchNorm2d):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.bfloat16, True)],
                          ids=["float32-nchw", "bfloat16-channels_last"])
-def test_compiled_matches_batchnorm(group, all_reduce, mode, dtype, channels_last):
+def test_compiled_matches_batchnorm(group, exchange, mode, dtype, channels_last):
     seed = random.randrange(2**31)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n, c, h, w = 6, 24, 9, 7
@@ -127,16 +128,30 @@ def test_compiled_matches_batchnorm(group, all_reduce, mode, dtype, channels_las
         _assert_close([("out", y, y64), ("grad_x", x.grad, x64.grad), ("grad_w", bn.weight.grad, w64.grad),
                        ("grad_b", bn.bias.grad, b64.grad), ("running_mean", bn.running_mean, running64[0]),
                        ("running_var", bn.running_var, running64[1])],
-                      1e-4 if dtype == torch.float32 else 2e-2, f"seed={seed} {mode} {all_reduce} {dtype} step {step}")
+                      1e-4 if dtype == torch.float32 else 2e-2, f"seed={seed} {mode} {exchange} {dtype} step {step}")
         assert y.dtype == dtype and y.is_contiguous(memory_format=memory_format)
         bn.zero_grad(set_to_none=True)
         w64.grad = b64.grad = None
 
 
-def test_all_reduce_sum_opcheck(group, all_reduce):
+def test_all_reduce_sum_opcheck(group, exchange):
     t = torch.randn(2, 48, device="cuda")  # no autograd formula: SyncBatchNorm's backward calls the op itself
     torch.library.opcheck(all_reduce_sum, (t, group.group_name))
     torch.testing.assert_close(all_reduce_sum(t, group.group_name), t, rtol=0, atol=0)  # one rank: the sum is t
+
+
+def test_exchange_batch_norm_stats_opcheck(group, monkeypatch):
+    """One rank: the global statistics are the local ones, and the running statistics move towards them."""
+    monkeypatch.setattr(sync_batchnorm, "_exchanges", {})
+    enable_nvlink_exchange(group)
+    mean, var = torch.randn(300, device="cuda"), torch.rand(300, device="cuda") + 0.1
+    running = [torch.randn(300, device="cuda"), torch.rand(300, device="cuda") + 0.5]
+    torch.library.opcheck(exchange_batch_norm_stats, (mean, var, running[0].clone(), running[1].clone(), 0.1, 1e-5,
+                                                      50, group.group_name))
+    expected = [running[0].lerp(mean, 0.1), running[1].lerp(var * 50 / 49, 0.1)]
+    out = exchange_batch_norm_stats(mean, var, *running, 0.1, 1e-5, 50, group.group_name)
+    torch.testing.assert_close(out, (mean, torch.rsqrt(var + 1e-5)))
+    torch.testing.assert_close(running, expected)
 
 
 def test_no_host_synchronization(group):

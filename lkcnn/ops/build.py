@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("bindings.cpp", "sync_batchnorm.cpp", "dwconv_fwd.cu", "dwconv_wgrad.cu", "dwconv_fwd_tc.cu",
+SOURCES = ("bindings.cpp", "sync_batchnorm.cpp", "sync_exchange.cu", "dwconv_fwd.cu", "dwconv_wgrad.cu", "dwconv_fwd_tc.cu",
            "dwconv_wgrad_tc.cu", "dwconv_small.cu", "dwconv_map_tc.cu", "dwconv_fwd_strip.cu",
            "layout.cu")
 CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")

@@ -29,7 +29,7 @@ from .ema import ModelEma
 from .errors import ConfigError
 from .model_factory import build_model
 from .seeding import reseed_globals
-from .sync_batchnorm import enable_one_shot_all_reduce
+from .sync_batchnorm import enable_nvlink_exchange
 
 # the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -95,18 +95,18 @@ class ClassificationModule(L.LightningModule):
         return self.model(images.contiguous(memory_format=self.memory_format))
 
     def setup(self, stage: str) -> None:
-        # Compiled on several GPUs of one machine, SyncBatchNorm's all-reduces (two per layer, on the critical path
-        # of the step) go through symmetric memory, which takes a third of NCCL's time (lkcnn.training.sync_batchnorm).
+        # Compiled on several GPUs of one machine, SyncBatchNorm's exchanges (two per layer, on the critical path of
+        # the step) go through lkcnn's NVLink kernels instead of NCCL (lkcnn.training.sync_batchnorm).
         trainer = self.trainer
         if not (self.hparams.compile and trainer.world_size > 1 and trainer.num_nodes == 1
                 and trainer.strategy.root_device.type == "cuda" and dist.is_initialized()):
             return
         try:
-            enable_one_shot_all_reduce(dist.group.WORLD)
+            enable_nvlink_exchange(dist.group.WORLD)
         except RuntimeError as err:  # e.g. GPUs without peer access: NCCL still works
-            rank_zero_warn(f"SyncBatchNorm stays on NCCL: symmetric memory cannot be set up ({err})")
+            rank_zero_warn(f"SyncBatchNorm stays on NCCL: the NVLink exchange cannot be set up ({err})")
         else:
-            rank_zero_info("SyncBatchNorm all-reduces through symmetric memory (one-shot)")
+            rank_zero_info("SyncBatchNorm exchanges statistics over NVLink (symmetric memory)")
 
     def teardown(self, stage: str) -> None:
         # With module.compile=reduce-overhead on several GPUs the step's CUDA graphs hold SyncBatchNorm's

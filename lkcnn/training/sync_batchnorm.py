@@ -9,19 +9,22 @@ step than the GPU. lkcnn's version issues the same kernels and collectives from 
 tensors, empty inputs, or a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
 
 Under torch.compile, `traceable_sync_batch_norm` runs instead: the same arithmetic as tensor ops, which inductor
-fuses with the layers around them as it fuses BatchNorm on one GPU, around one all-reduce of the ranks' statistics in
-the forward and one of the gradient's sums in the backward, which is written out as torch.nn.SyncBatchNorm's is
-(autograd through var_mean made seven reductions of the gradient, against two). The all-reduce is
-`lkcnn::all_reduce_sum`, a torch.library op, so that dynamo keeps it in the graph whichever path it takes. With
-`mode="reduce-overhead"` the whole step, collectives included, is replayed as CUDA graphs, so a DDP step needs no host
-time per layer. The all-reduce goes through NCCL, or through symmetric memory's one-shot all-reduce once
-`enable_one_shot_all_reduce` has set that up: 6 us against NCCL's 19 us per 8 KB all-reduce in a CUDA graph on 2x
-H200 (scripts/allreduce_bw.py), and a step makes two per BatchNorm.
+fuses with the layers around them as it fuses BatchNorm on one GPU, around one exchange of the ranks' statistics in
+the forward and one all-reduce of the gradient's sums in the backward, which is written out as torch.nn.SyncBatchNorm's
+is (autograd through var_mean made seven reductions of the gradient, against two). The exchanges are torch.library
+ops, so that dynamo keeps them in the graph whichever path they take. With `mode="reduce-overhead"` the whole step,
+collectives included, is replayed as CUDA graphs, so a DDP step needs no host time per layer. The exchanges go
+through NCCL, or, once `enable_nvlink_exchange` has set up symmetric memory on the GPUs of one machine, through
+lkcnn's own kernels (csrc/sync_exchange.cu): one kernel per exchange that pushes the values to the other GPUs over
+NVLink and, in the forward, also combines the statistics and updates the running ones, where NCCL takes 19 us per
+8 KB all-reduce in a CUDA graph on 2x H200 and symmetric memory's one-shot all-reduce 7.7 us plus the kernels around
+it (scripts/allreduce_bw.py, docs/performance.md session 12); a step makes two exchanges per BatchNorm.
 Eager mode keeps the single C++ autograd function: Python ops would cost host time in every layer.
 """
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,23 +49,33 @@ def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
 def traceable_sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                               running_var: Tensor | None, eps: float, momentum: float, group) -> Tensor:
     """sync_batch_norm as torch.compile runs it (module docstring), on any device and backend (gloo too)."""
-    world, rank = group.size(), group.rank()
-    count = x.numel() // x.shape[1] * world  # samples per channel over all ranks (each holds the same number)
+    count = x.numel() // x.shape[1] * group.size()  # samples per channel over all ranks (each holds the same number)
     with torch.no_grad():  # the statistics' share of the input gradient is in _Normalize.backward
-        local_var, local_mean = torch.var_mean(x.float(), dim=_channel_axes(x)[1], correction=0)
-        # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot,
-        # by a one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same
-        # order. Combined exactly (equal counts per rank): the variance is the ranks' mean variance plus the spread
-        # of their means, which keeps its precision where E[x^2] - E[x]^2 would not (activations far from zero).
-        slot = (torch.arange(world, device=x.device) == rank).float().view(world, 1, 1)
-        means, variances = all_reduce_sum(slot * torch.stack([local_mean, local_var]), group.group_name).unbind(1)
-        mean = means.mean(0)
-        var = (variances + (means - mean).square()).mean(0)
-        if running_mean is not None:  # as torch's BatchNorm: the unbiased variance goes into the running estimate
-            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-            running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
-        invstd = torch.rsqrt(var + eps)
+        mean, invstd = _global_statistics(x, running_mean, running_var, eps, momentum, count, group)
     return _Normalize.apply(x, mean, invstd, weight, bias, group.group_name, count)
+
+
+def _global_statistics(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, eps: float,
+                       momentum: float, count: int, group) -> tuple[Tensor, Tensor]:
+    """The mean and 1/std of x over every rank (float32, per channel); the running statistics updated in place."""
+    local_var, local_mean = torch.var_mean(x.float(), dim=_channel_axes(x)[1], correction=0)
+    if _exchange_takes(group.group_name, x, running_mean, running_var):
+        return exchange_batch_norm_stats(local_mean, local_var, running_mean, running_var, momentum, eps, count,
+                                         group.group_name)
+    # An all-gather of every rank's (mean, variance), made of the all-reduce: each rank's pair in its own slot, by a
+    # one-hot mask, so that every rank's graph has the same shapes and so its collectives in the same order.
+    # Combined exactly (equal counts per rank), as exchange_batch_norm_stats's kernel does: the variance is the ranks'
+    # mean variance plus the spread of their means, which keeps its precision where E[x^2] - E[x]^2 would not
+    # (activations far from zero).
+    world = group.size()
+    slot = (torch.arange(world, device=x.device) == group.rank()).float().view(world, 1, 1)
+    means, variances = all_reduce_sum(slot * torch.stack([local_mean, local_var]), group.group_name).unbind(1)
+    mean = means.mean(0)
+    var = (variances + (means - mean).square()).mean(0)
+    if running_mean is not None:  # as torch's BatchNorm: the unbiased variance goes into the running estimate
+        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+        running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
+    return mean, torch.rsqrt(var + eps)
 
 
 def _channel_axes(x: Tensor) -> tuple[tuple[int, ...], list[int]]:
@@ -107,42 +120,81 @@ class _Normalize(torch.autograd.Function):
         return grad_x.to(x.dtype), None, None, grad_weight, grad_bias, None, None
 
 
-# group name -> this rank's symmetric-memory workspace, set up by enable_one_shot_all_reduce
-_workspaces: dict[str, Tensor] = {}
-_WORKSPACE_FLOATS = 1 << 18  # 1 MiB: RepLKNet's largest BatchNorm (4096 channels) sends 32 KiB per rank
+class _Exchange(NamedTuple):
+    workspace: Tensor  # this rank's symmetric-memory workspace (kept alive here)
+    peers: list[int]  # every rank's workspace, mapped into this process, in rank order
+    rank: int
+    max_channels: int  # the kernels' limits, kept here so that dynamo need not call into the extension
+    max_values: int
 
 
-def enable_one_shot_all_reduce(group) -> None:
-    """Run lkcnn::all_reduce_sum over `group` as symmetric memory's one-shot all-reduce (each rank reads the others'
-    buffers over NVLink) instead of NCCL. Every rank must call it, with every rank's GPU reachable from every other
-    (one machine). Raises RuntimeError, on every rank, where symmetric memory cannot be set up on any of them."""
-    if group.group_name in _workspaces:
+# group name -> the exchange set up by enable_nvlink_exchange
+_exchanges: dict[str, _Exchange] = {}
+
+
+def enable_nvlink_exchange(group) -> None:
+    """Run SyncBatchNorm's exchanges over `group` (under torch.compile) through lkcnn's NVLink kernels on symmetric
+    memory instead of NCCL. Every rank must call it, with every rank's GPU reachable from every other (one machine).
+    Raises RuntimeError, on every rank, where that cannot be set up on any of them."""
+    if group.group_name in _exchanges:
         return
     try:
         import torch.distributed._symmetric_memory as symm_mem  # here: only runs that set it up load it
 
-        workspace = symm_mem.empty(_WORKSPACE_FLOATS, dtype=torch.float32, device=torch.cuda.current_device())
+        ext = build.load()
+        size = ext.exchange_workspace_bytes(group.size())  # raises for more ranks than one machine has
+        workspace = symm_mem.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+        workspace.zero_()  # flags and call counters start at 0, before any peer can reach them (the rendezvous)
+        torch.cuda.synchronize()
         error = None
-    except (ImportError, RuntimeError) as err:  # e.g. out of GPU memory, on this rank only
+    except (ImportError, RuntimeError) as err:  # e.g. out of GPU memory, or no compiler, on this rank only
         error = f"rank {group.rank()}: {err}"
     # The ranks agree before the rendezvous, a collective that would wait forever for a rank that failed here.
     errors = [None] * group.size()
     dist.all_gather_object(errors, error, group=group)
     if any(errors):
         raise RuntimeError("; ".join(e for e in errors if e))
-    symm_mem.rendezvous(workspace, group.group_name)  # exchanges the buffers' handles
-    _workspaces[group.group_name] = workspace
+    handle = symm_mem.rendezvous(workspace, group.group_name)  # maps every rank's workspace into this process
+    offset = workspace.data_ptr() - handle.buffer_ptrs[handle.rank]
+    _exchanges[group.group_name] = _Exchange(workspace, [p + offset for p in handle.buffer_ptrs], handle.rank,
+                                             ext.exchange_max_channels(), ext.exchange_max_values())
+
+
+def _exchange_takes(group_name: str, x: Tensor, running_mean: Tensor | None, running_var: Tensor | None) -> bool:
+    """Whether exchange_batch_norm_stats serves this layer (else the statistics travel through all_reduce_sum)."""
+    exchange = _exchanges.get(group_name)
+    return (exchange is not None and x.shape[1] <= exchange.max_channels and running_mean is not None
+            and running_var is not None and running_mean.dtype == running_var.dtype == torch.float32)
+
+
+@torch.library.custom_op("lkcnn::exchange_batch_norm_stats", mutates_args=("running_mean", "running_var"))
+def exchange_batch_norm_stats(mean: Tensor, var: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
+                              eps: float, count: int, group_name: str) -> tuple[Tensor, Tensor]:
+    """The global batch mean and 1/sqrt(var + eps) from every rank's (mean, biased variance) over `count` samples per
+    channel in all, the running statistics updated in place; one kernel (float32, enable_nvlink_exchange first)."""
+    exchange = _exchanges.get(group_name)
+    if exchange is None:
+        raise RuntimeError(f"lkcnn::exchange_batch_norm_stats: call enable_nvlink_exchange on group {group_name} "
+                           "(every rank) first")
+    mean_out, invstd_out = torch.empty_like(mean), torch.empty_like(mean)
+    build.load().exchange_batch_norm_stats(mean.contiguous(), var.contiguous(), running_mean, running_var, mean_out,
+                                           invstd_out, momentum, eps, count, exchange.peers, exchange.rank)
+    return mean_out, invstd_out
+
+
+@exchange_batch_norm_stats.register_fake
+def _(mean, var, running_mean, running_var, momentum, eps, count, group_name):
+    return torch.empty_like(mean), torch.empty_like(mean)
 
 
 @torch.library.custom_op("lkcnn::all_reduce_sum", mutates_args=())
 def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
     """The sum of t over the ranks of the group, on every rank (float32, contiguous)."""
-    workspace = _workspaces.get(group_name)
-    if workspace is not None and t.is_cuda and t.dtype == torch.float32 and t.numel() <= workspace.numel():
-        # one kernel: copies t into this rank's buffer, waits for every rank's, sums them; it ends with a barrier,
-        # so the next call may reuse the buffer
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(workspace[:t.numel()], t.contiguous().view(-1), "sum",
-                                                           group_name).view(t.shape)
+    exchange = _exchanges.get(group_name)
+    if exchange is not None and t.is_cuda and t.dtype == torch.float32 and t.numel() <= exchange.max_values:
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        build.load().exchange_sum(t.contiguous(), out, exchange.peers, exchange.rank)
+        return out
     out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
@@ -150,8 +202,6 @@ def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
 @all_reduce_sum.register_fake
 def _(t, group_name):
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
