@@ -1,19 +1,23 @@
 // SyncBatchNorm's exchanges between the GPUs of one machine, each one kernel that pushes this rank's values into
-// every rank's symmetric-memory workspace over NVLink, raises a flag there, waits for the other ranks' flags and
-// combines what arrived.
+// every rank's symmetric-memory workspace over NVLink, waits until every rank's values have arrived in its own, and
+// combines them.
 //
 // Why not symmetric memory's one-shot all-reduce (session 11's path): it copies the input into the workspace, meets
 // the other ranks at a barrier, reads their buffers across NVLink and meets them at a second barrier before the
-// buffer may be reused, ~7.7 us per call on 2x H200 with the GPUs in step; and the combination of the ranks' batch
+// buffer may be reused, 6.4 us per call in a CUDA graph on 2x H200; and the combination of the ranks' batch
 // statistics and the running-statistics update were more kernels per layer after it (docs/performance.md,
-// session 12). Here a rank writes only remote memory and reads only its own, one flag per peer is the only
-// synchronization, and the batch statistics are combined in the same kernel.
+// session 12). Here a rank writes only remote memory and reads only its own, and the batch statistics are combined
+// in the same kernel.
 //
-// Reuse without a second barrier: block b owns region b of the workspace, and its k-th call uses the half of the
-// workspace of parity k. A rank reaches call k + 2 of block b only after call k + 1 saw every peer's flag k + 1, which
-// each peer raised after its call k (an earlier kernel on its stream) had read that half. Every rank must make the
-// same calls in the same order on one stream, as with any collective; per-block call counters live in the
-// workspace, so CUDA graphs replay the kernels unchanged.
+// No flags, no fences: every value travels as one 64-bit word with the call number in its upper half (NCCL's "LL"
+// protocol), a single store that the receiver sees whole or not at all, so it polls its own memory until every word
+// it needs carries this call's number.
+//
+// Reuse without a barrier: block b owns region b of the workspace, and its k-th call uses the half of the workspace
+// of parity k. A rank reaches call k + 2 of block b only after its call k + 1 received every peer's call k + 1
+// words, which each peer sent from a kernel that began after its call k (an earlier kernel on its stream) had read
+// that half. Every rank must make the same calls in the same order on one stream, as with any collective; per-block
+// call counters live in the workspace, so CUDA graphs replay the kernels unchanged.
 #include "sync_exchange.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -24,38 +28,35 @@ namespace lkcnn {
 namespace {
 
 constexpr int kThreads = 256;          // one pair of values per thread
-constexpr int kRegion = 2 * kThreads;  // floats a block sends per call
+constexpr int kRegion = 2 * kThreads;  // values (64-bit words) a block sends per call
 constexpr int kMaxBlocks = 64;
 constexpr int kMaxWorld = 8;           // the GPUs of one NVLink machine
-// Workspace layout: flags[block][from rank], then counters[block] (calls so far), then the values
-// data[parity][from rank][block][kRegion].
-constexpr int64_t kFlagsBytes = int64_t(kMaxBlocks) * kMaxWorld * sizeof(uint64_t);
-constexpr int64_t kDataOffset = kFlagsBytes + kMaxBlocks * sizeof(uint64_t);
-constexpr int64_t kSlotFloats = int64_t(kMaxBlocks) * kRegion;
+// Workspace layout: counters[block] (calls so far), then the words data[parity][from rank][block][kRegion].
+constexpr int64_t kDataOffset = kMaxBlocks * sizeof(uint64_t);
+constexpr int64_t kSlotWords = int64_t(kMaxBlocks) * kRegion;
 
 struct Peers {
   char* base[kMaxWorld];  // every rank's workspace, mapped into this process
+  char* own;              // base[rank] (a dynamic index into a kernel parameter array would copy it to the stack)
   int world, rank;
 };
 
-__device__ uint64_t* flag_at(char* base, int block, int from) {
-  return reinterpret_cast<uint64_t*>(base) + block * kMaxWorld + from;
-}
-__device__ uint64_t* counter_at(char* base, int block) {
-  return reinterpret_cast<uint64_t*>(base + kFlagsBytes) + block;
-}
-__device__ float* region_at(char* base, int parity, int from, int world, int block) {
-  return reinterpret_cast<float*>(base + kDataOffset) + (int64_t(parity) * world + from) * kSlotFloats +
+__device__ uint64_t* region_at(char* base, int parity, int from, int world, int block) {
+  return reinterpret_cast<uint64_t*>(base + kDataOffset) + (int64_t(parity) * world + from) * kSlotWords +
          int64_t(block) * kRegion;
 }
 
-__device__ void store_release(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ void store_word(uint64_t* p, float value, uint32_t call) {
+  const uint64_t word = (uint64_t(call) << 32) | __float_as_uint(value);
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
 }
-__device__ uint64_t load_acquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
+// The value at p once it carries this call's number (a peer writes it across NVLink).
+__device__ float await_word(const uint64_t* p, uint32_t call) {
+  uint64_t word;
+  do {
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(word) : "l"(p) : "memory");
+  } while (uint32_t(word >> 32) != call);
+  return __uint_as_float(uint32_t(word));
 }
 
 // The ranks' values combined by Op: load(block, thread) gives this rank's pair, finish(block, thread, pairs, world)
@@ -63,37 +64,29 @@ __device__ uint64_t load_acquire(const uint64_t* p) {
 template <class Op>
 __global__ void __launch_bounds__(kThreads) exchange_kernel(Peers p, Op op) {
   const int b = blockIdx.x, t = threadIdx.x;
-  char* own = p.base[p.rank];
-  uint64_t* counter = counter_at(own, b);
+  uint64_t* counter = reinterpret_cast<uint64_t*>(p.own) + b;
   const uint64_t call = *counter + 1;
   const int parity = int(call & 1);
+  const uint32_t tag = uint32_t(call);  // the word written two calls ago in this half carries call - 2
   const float2 mine = op.load(b, t);
 #pragma unroll  // constant indices keep p.base in registers
   for (int r = 0; r < kMaxWorld; ++r) {
     if (r < p.world) {
-      float* dst = region_at(p.base[r], parity, p.rank, p.world, b);
-      dst[t] = mine.x;
-      dst[kThreads + t] = mine.y;
+      uint64_t* dst = region_at(p.base[r], parity, p.rank, p.world, b);
+      store_word(dst + t, mine.x, tag);
+      store_word(dst + kThreads + t, mine.y, tag);
     }
   }
-  __threadfence_system();  // the values reach every peer before the flag that announces them
-  __syncthreads();
-  if (t < p.world) {
-    store_release(flag_at(p.base[t], b, p.rank), call);  // the one dynamic index into p.base
-    const uint64_t* arrived = flag_at(own, b, t);
-    while (load_acquire(arrived) < call) {
-    }
-  }
-  __syncthreads();
   float2 pairs[kMaxWorld];
 #pragma unroll
   for (int r = 0; r < kMaxWorld; ++r) {
     if (r < p.world) {
-      const float* src = region_at(own, parity, r, p.world, b);
-      pairs[r] = make_float2(__ldcv(src + t), __ldcv(src + kThreads + t));  // past L1: peers wrote it
+      const uint64_t* src = region_at(p.own, parity, r, p.world, b);
+      pairs[r] = make_float2(await_word(src + t, tag), await_word(src + kThreads + t, tag));
     }
   }
   op.finish(b, t, pairs, p.world);
+  __syncthreads();  // every thread has read the counter
   if (t == 0) *counter = call;
 }
 
@@ -163,6 +156,7 @@ Peers make_peers(const std::vector<int64_t>& peers, int64_t rank) {
   TORCH_CHECK(rank >= 0 && rank < int64_t(peers.size()), "lkcnn exchange: rank ", rank, " of ", peers.size());
   Peers p{};
   for (size_t r = 0; r < peers.size(); ++r) p.base[r] = reinterpret_cast<char*>(peers[r]);
+  p.own = p.base[rank];
   p.world = int(peers.size());
   p.rank = int(rank);
   return p;
@@ -185,9 +179,9 @@ void launch(int64_t blocks, const Peers& p, const Op& op) {
 
 int64_t exchange_workspace_bytes(int64_t world) {
   TORCH_CHECK(world >= 1 && world <= kMaxWorld, "lkcnn exchange: ", world, " ranks; it takes 1 to ", kMaxWorld);
-  return kDataOffset + 2 * world * kSlotFloats * int64_t(sizeof(float));
+  return kDataOffset + 2 * world * kSlotWords * int64_t(sizeof(uint64_t));
 }
-int64_t exchange_max_values() { return kSlotFloats; }
+int64_t exchange_max_values() { return kSlotWords; }
 int64_t exchange_max_channels() { return int64_t(kMaxBlocks) * kThreads; }
 
 void exchange_sum(const at::Tensor& input, at::Tensor& out, const std::vector<int64_t>& peers, int64_t rank) {
