@@ -149,6 +149,14 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_
     assert y.dtype == x.dtype and y.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_nvlink_statistics_exchange_without_setup_says_what_to_do():
+    from lkcnn.training.sync_batchnorm import exchange_batch_norm_stats
+
+    stats = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="call enable_nvlink_exchange on group 7"):
+        exchange_batch_norm_stats(stats, stats, stats.clone(), stats.clone(), 0.1, 1e-5, 8, "7")
+
+
 def _traceable_rank(rank: int, folder: str, compiled: str) -> None:
     """One gloo rank: its half of the batch through traceable_sync_batch_norm (compiled or not), saved to a file."""
     import torch.distributed as dist

@@ -16,9 +16,9 @@ ops, so that dynamo keeps them in the graph whichever path they take. With `mode
 collectives included, is replayed as CUDA graphs, so a DDP step needs no host time per layer. The exchanges go
 through NCCL, or, once `enable_nvlink_exchange` has set up symmetric memory on the GPUs of one machine, through
 lkcnn's own kernels (csrc/sync_exchange.cu): one kernel per exchange that pushes the values to the other GPUs over
-NVLink and, in the forward, also combines the statistics and updates the running ones, where NCCL takes 19 us per
-8 KB all-reduce in a CUDA graph on 2x H200 and symmetric memory's one-shot all-reduce 7.7 us plus the kernels around
-it (scripts/allreduce_bw.py, docs/performance.md session 12); a step makes two exchanges per BatchNorm.
+NVLink and, in the forward, also combines the statistics and updates the running ones. Per 8 KB in a CUDA graph on
+2x H200 that takes 2.7 us, against NCCL's 16-18 us and symmetric memory's one-shot all-reduce's 6.4 us plus the
+kernels around it (scripts/allreduce_bw.py, docs/performance.md session 12); a step makes two per BatchNorm.
 Eager mode keeps the single C++ autograd function: Python ops would cost host time in every layer.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ def enable_nvlink_exchange(group) -> None:
         ext = build.load()
         size = ext.exchange_workspace_bytes(group.size())  # raises for more ranks than one machine has
         workspace = symm_mem.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-        workspace.zero_()  # flags and call counters start at 0, before any peer can reach them (the rendezvous)
+        workspace.zero_()  # counters and call tags start at 0, before any peer can reach them (the rendezvous)
         torch.cuda.synchronize()
         error = None
     except (ImportError, RuntimeError) as err:  # e.g. out of GPU memory, or no compiler, on this rank only
