@@ -50,7 +50,7 @@ def main() -> None:
                  world)
     except (RuntimeError, AttributeError) as e:  # a diagnostic script: say why and go on
         print(f"symmetric memory one-shot all-reduce: unavailable ({type(e).__name__}: {e})")
-    try:  # lkcnn's: each rank pushes its values into the others' workspaces and waits for their flags
+    try:  # lkcnn's: each rank pushes its values into the others' workspaces and polls its own until theirs arrive
         enable_nvlink_exchange(dist.group.WORLD)  # all_reduce_sum then runs it
         _latency("lkcnn NVLink exchange", lambda: all_reduce_sum(small, dist.group.WORLD.group_name), rank, world)
     except RuntimeError as e:

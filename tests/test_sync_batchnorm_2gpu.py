@@ -30,6 +30,7 @@ from lkcnn.training.sync_batchnorm import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 WORLD = 2
+COUNT = 2 * 37  # samples per channel over both ranks in the kernel test
 
 
 def _rank(rank: int, folder: str) -> None:
@@ -156,18 +157,17 @@ def _exchange_rank(rank: int, folder: str) -> None:
             means = torch.randn(WORLD, size, generator=gen) * 3 + 0.5
             variances = torch.rand(WORLD, size, generator=gen) * 4 + 0.1
             running = [torch.randn(size, generator=gen), torch.rand(size, generator=gen) + 0.5]
-            count = 2 * 37
             m64 = means.double().mean(0)
             v64 = (variances.double() + (means.double() - m64).square()).mean(0)
             refs = (m64, (v64 + 1e-5).rsqrt(), running[0].double().lerp(m64, 0.1),
-                    running[1].double().lerp(v64 * count / (count - 1), 0.1))
+                    running[1].double().lerp(v64 * COUNT / (COUNT - 1), 0.1))
             return (means, variances, *running), refs
 
         def launch(kind, ins, outs):
             if kind == "sum":
                 ext.exchange_sum(ins[0], outs[0], *peers)
             else:
-                ext.exchange_batch_norm_stats(ins[0], ins[1], outs[2], outs[3], outs[0], outs[1], 0.1, 1e-5, 2 * 37,
+                ext.exchange_batch_norm_stats(ins[0], ins[1], outs[2], outs[3], outs[0], outs[1], 0.1, 1e-5, COUNT,
                                               *peers)
 
         def staged(kind, cpu_ins, outs):
