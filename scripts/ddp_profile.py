@@ -67,6 +67,28 @@ def _kernel_ms(kernels, *names: str) -> float:
     return sum(e.self_device_time_total for e in kernels if any(n in e.key.lower() for n in names)) / 1e3 / 3
 
 
+def _timeline(prof, steps: int = 3) -> dict[str, float]:
+    """This rank's GPU timeline over the profiled steps, per step: the span from the first kernel's start to the
+    last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the NVLink
+    exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
+    another rank, so their median and tail show the skew that each synchronized BatchNorm costs."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA")
+    if not spans:
+        return {}
+    busy, end = 0.0, spans[0][0]
+    for start, stop, _ in spans:  # the union of the intervals (kernels of NCCL's streams may overlap compute)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    exchange = sorted(stop - start for start, stop, name in spans if "exchange_kernel" in name)
+    pick = (lambda q: exchange[min(len(exchange) - 1, int(q * len(exchange)))]) if exchange else (lambda q: 0.0)
+    span = (end - spans[0][0]) / steps
+    return {"span_ms": span / 1e3, "busy_ms": busy / steps / 1e3, "idle_ms": span / 1e3 - busy / steps / 1e3,
+            "kernels": len(spans) / steps, "exchanges": len(exchange) / steps,
+            "exchange_ms": sum(exchange) / steps / 1e3, "exchange_p10_us": pick(0.1),
+            "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0)}
+
+
 def step_fn(model, opt, x, y):
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -122,17 +144,20 @@ def main() -> None:
         averages = prof.key_averages()
         kernels = sorted((e for e in averages if e.device_type.name == "CUDA"),
                          key=lambda e: e.self_device_time_total, reverse=True)
-        gathered = [None] * world  # each rank's (NCCL ms, NVLink exchange ms) per step
-        dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _kernel_ms(kernels, "exchange_kernel")))
+        gathered = [None] * world  # each rank's NCCL ms per step and GPU timeline
+        dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _timeline(prof)))
         if rank == 0:
             host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / 3
             busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
             print(f"\n== bn={bn}: {world} GPU(s) x {args.batch}: {world * args.batch / seconds:.1f} img/s, "
                   f"step {seconds * 1e3:.1f} ms; kernels {busy_ms:.1f} ms/step; host {host_ms:.1f} ms/step "
                   f"(profiled, both threads)")
-            for r, (nccl_ms, exchange_ms) in enumerate(gathered):
-                print(f"   rank {r}: NCCL kernels {nccl_ms:.2f} ms/step, NVLink exchange kernels "
-                      f"{exchange_ms:.2f} ms/step")
+            for r, (nccl_ms, t) in enumerate(gathered):
+                print(f"   rank {r}: NCCL kernels {nccl_ms:.2f} ms/step; GPU span {t['span_ms']:.1f} ms/step, busy "
+                      f"{t['busy_ms']:.1f}, idle {t['idle_ms']:.1f}, {t['kernels']:.0f} kernels; "
+                      f"{t['exchanges']:.0f} NVLink exchanges {t['exchange_ms']:.2f} ms/step (us p10 "
+                      f"{t['exchange_p10_us']:.1f} p50 {t['exchange_p50_us']:.1f} p90 {t['exchange_p90_us']:.1f} "
+                      f"max {t['exchange_max_us']:.0f})")
             for e in kernels[:args.top]:
                 print(f"{e.self_device_time_total / 1e3 / 3:8.2f} ms/step {e.count // 3:5d}x  {e.key[:110]}")
             for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top_host]:
