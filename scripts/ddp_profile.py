@@ -3,13 +3,18 @@ GPU-busy and host (CPU) time of a step, and the CUDA kernels that take the most 
 Lightning, so the numbers isolate the model, the BatchNorm and the collectives from the training app.
 
     torchrun --standalone --nproc-per-node 2 scripts/ddp_profile.py [--batch 64] [--bn none,lkcnn,torch] \
-        [--channels-last] [--compile reduce-overhead [--nvlink]] [--trace DIR]
+        [--channels-last] [--compile reduce-overhead [--nvlink]] [--ddp default,bucket400,bf16] [--json FILE] \
+        [--trace DIR]
 
 With --compile the network is compiled in place before DDP wraps it, as the training app does (one graph:
 module.py turns off dynamo's DDP graph splitting), and lkcnn's SyncBatchNorm runs as traced tensor ops around
 its exchange ops; --nvlink sends those through lkcnn's NVLink kernels as the app does on one machine.
-Each rank then also reports the time its GPU spent in collective kernels, which includes waiting for the other
-ranks at each synchronized BatchNorm, so the two ranks' figures show the skew between them.
+Each rank reports its GPU timeline per step: the span, its forward, backward (with DDP's gradient copies and
+all-reduce) and optimizer phases, the time no kernel ran, and its time in collective kernels, which includes waiting
+for the other ranks at each synchronized BatchNorm, so the two ranks' figures show the skew between them. --ddp
+compares DDP's settings on the same compiled network.
+
+One process runs the network without DDP, as the training app's single-GPU run does: the baseline of the scaling.
 
 With one process, `--bn lkcnn` still takes lkcnn's synchronized path (a one-rank group), so its host cost shows on
 a single GPU; a small --batch (8) makes the GPU wait for the host, so the step time is the host time.
@@ -17,6 +22,8 @@ a single GPU; a small --batch (8) makes the GPU wait for the host, so the step t
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import time
 
@@ -24,8 +31,9 @@ import timm
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import lkcnn  # noqa: F401  registers the models
 from lkcnn.training.sync_batchnorm import (
@@ -59,7 +67,24 @@ def build(bn: str, device: torch.device, channels_last: bool, compile_mode: str 
     if compile_mode:
         torch._dynamo.config.optimize_ddp = False  # as lkcnn.training.module
         model.compile(mode=compile_mode)
-    return DistributedDataParallel(model, device_ids=[device.index])
+    return model
+
+
+# DDP's settings to compare on one compiled network (DDP wraps it outside the compiled graphs, so no recompile):
+# trainer=ddp's (25 MB buckets, no buffer broadcast), the whole gradient in one bucket, and gradients all-reduced in
+# bfloat16 (torch's bf16_compress_hook).
+DDP_VARIANTS = {"default": {}, "bucket400": {"bucket_cap_mb": 400}, "bf16": {}}
+
+
+def wrap(model: torch.nn.Module, variant: str, device: torch.device) -> torch.nn.Module:
+    """The network as the training step runs it: DDP with `variant`'s settings, or itself in one process (as the
+    app's single-GPU strategy)."""
+    if dist.get_world_size() == 1:
+        return model
+    ddp = DistributedDataParallel(model, device_ids=[device.index], broadcast_buffers=False, **DDP_VARIANTS[variant])
+    if variant == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
 
 
 def _kernel_ms(kernels, *names: str) -> float:
@@ -72,10 +97,12 @@ def _timeline(prof, steps: int = 3) -> dict[str, float]:
     last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the NVLink
     exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
     another rank, so their median and tail show the skew that each synchronized BatchNorm costs."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA")
-    if not spans:
-        return {}
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if not e.is_user_annotation)
+    phases = {}  # the GPU time from the first to the last kernel of each phase of step_fn, per step
+    for e in events:
+        if e.is_user_annotation and e.name.startswith("step."):
+            phases[e.name] = phases.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / steps / 1e3
     busy, end = 0.0, spans[0][0]
     for start, stop, _ in spans:  # the union of the intervals (kernels of NCCL's streams may overlap compute)
         busy += max(0.0, stop - max(start, end))
@@ -86,17 +113,36 @@ def _timeline(prof, steps: int = 3) -> dict[str, float]:
     return {"span_ms": span / 1e3, "busy_ms": busy / steps / 1e3, "idle_ms": span / 1e3 - busy / steps / 1e3,
             "kernels": len(spans) / steps, "exchanges": len(exchange) / steps,
             "exchange_ms": sum(exchange) / steps / 1e3, "exchange_p10_us": pick(0.1),
-            "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0)}
+            "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0), **phases}
 
 
 def step_fn(model, opt, x, y):
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with record_function("step.forward"), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with record_function("step.backward"):  # DDP's gradient copies and all-reduce included
+            loss.backward()
+        with record_function("step.optimizer"):
+            opt.step()
     return step
+
+
+def report(name: str, images_per_s: float, seconds: float, gathered, kernels, averages, args) -> None:
+    host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / 3
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
+    print(f"\n== {name} x {args.batch}: {images_per_s:.1f} img/s, step {seconds * 1e3:.1f} ms; kernels "
+          f"{busy_ms:.1f} ms/step; host {host_ms:.1f} ms/step (profiled, both threads)")
+    for r, (nccl_ms, t) in enumerate(gathered):
+        phases = ", ".join(f"{k[5:]} {v:.1f}" for k, v in t.items() if k.startswith("step."))
+        print(f"   rank {r}: GPU span {t['span_ms']:.1f} ms/step ({phases}), busy {t['busy_ms']:.1f}, idle "
+              f"{t['idle_ms']:.1f}, {t['kernels']:.0f} kernels; NCCL {nccl_ms:.2f} ms; {t['exchanges']:.0f} NVLink "
+              f"exchanges {t['exchange_ms']:.2f} ms (us p10 {t['exchange_p10_us']:.1f} p50 "
+              f"{t['exchange_p50_us']:.1f} p90 {t['exchange_p90_us']:.1f} max {t['exchange_max_us']:.0f})")
+    for e in kernels[:args.top]:
+        print(f"{e.self_device_time_total / 1e3 / 3:8.2f} ms/step {e.count // 3:5d}x  {e.key[:110]}")
+    for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top_host]:
+        print(f"{e.self_cpu_time_total / 1e3 / 3:8.2f} host ms/step {e.count // 3:5d}x  {e.key[:100]}")
 
 
 def main() -> None:
@@ -109,6 +155,9 @@ def main() -> None:
     parser.add_argument("--top-host", type=int, default=0, help="host (CPU) ops to list")
     parser.add_argument("--compile", default=None, help="torch.compile mode, e.g. reduce-overhead")
     parser.add_argument("--nvlink", action="store_true", help="SyncBatchNorm's exchanges on lkcnn's NVLink kernels")
+    parser.add_argument("--ddp", type=lambda s: s.split(","), default=["default"],
+                        help=f"DDP settings to compare, of {','.join(DDP_VARIANTS)} (several GPUs only)")
+    parser.add_argument("--json", default=None, help="write the results and rank 0's kernel table to this file")
     parser.add_argument("--trace", default=None, help="write each rank's Chrome trace (gzipped) into this folder")
     args = parser.parse_args()
     dist.init_process_group("nccl")
@@ -121,53 +170,52 @@ def main() -> None:
     if args.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
+    results = {}
     for bn in args.bn:
-        model = build(bn, device, args.channels_last, args.compile)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        step = step_fn(model, opt, x, y)
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        torch.cuda.synchronize()
-        seconds = (time.perf_counter() - start) / args.steps
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
+        compiled = build(bn, device, args.channels_last, args.compile)
+        for variant in args.ddp if world > 1 else ["single"]:
+            name = f"{world}gpu-{bn}-{variant}"
+            model = wrap(compiled, variant, device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            step = step_fn(model, opt, x, y)
+            for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        if args.trace:
-            os.makedirs(args.trace, exist_ok=True)
-            prof.export_chrome_trace(os.path.join(args.trace, f"{bn}_rank{rank}.json.gz"))  # gzipped by its name
-        averages = prof.key_averages()
-        kernels = sorted((e for e in averages if e.device_type.name == "CUDA"),
-                         key=lambda e: e.self_device_time_total, reverse=True)
-        gathered = [None] * world  # each rank's NCCL ms per step and GPU timeline
-        dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _timeline(prof)))
-        if rank == 0:
-            host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / 3
-            busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 3
-            print(f"\n== bn={bn}: {world} GPU(s) x {args.batch}: {world * args.batch / seconds:.1f} img/s, "
-                  f"step {seconds * 1e3:.1f} ms; kernels {busy_ms:.1f} ms/step; host {host_ms:.1f} ms/step "
-                  f"(profiled, both threads)")
-            for r, (nccl_ms, t) in enumerate(gathered):
-                print(f"   rank {r}: NCCL kernels {nccl_ms:.2f} ms/step; GPU span {t['span_ms']:.1f} ms/step, busy "
-                      f"{t['busy_ms']:.1f}, idle {t['idle_ms']:.1f}, {t['kernels']:.0f} kernels; "
-                      f"{t['exchanges']:.0f} NVLink exchanges {t['exchange_ms']:.2f} ms/step (us p10 "
-                      f"{t['exchange_p10_us']:.1f} p50 {t['exchange_p50_us']:.1f} p90 {t['exchange_p90_us']:.1f} "
-                      f"max {t['exchange_max_us']:.0f})")
-            for e in kernels[:args.top]:
-                print(f"{e.self_device_time_total / 1e3 / 3:8.2f} ms/step {e.count // 3:5d}x  {e.key[:110]}")
-            for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top_host]:
-                print(f"{e.self_cpu_time_total / 1e3 / 3:8.2f} host ms/step {e.count // 3:5d}x  {e.key[:100]}")
-        del model, opt, step
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - start) / args.steps
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            if args.trace:
+                os.makedirs(args.trace, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(args.trace, f"{name}_rank{rank}.json.gz"))  # gzipped by name
+            averages = prof.key_averages()
+            kernels = sorted((e for e in averages if e.device_type.name == "CUDA" and not e.is_user_annotation),
+                             key=lambda e: e.self_device_time_total, reverse=True)
+            gathered = [None] * world  # each rank's NCCL ms per step and GPU timeline
+            dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _timeline(prof)))
+            if rank == 0:
+                report(name, world * args.batch / seconds, seconds, gathered, kernels, averages, args)
+                results[name] = {"images_per_s": world * args.batch / seconds, "step_ms": seconds * 1e3,
+                                 "ranks": [{"nccl_ms": n, **t} for n, t in gathered],
+                                 "kernels": {e.key: [e.self_device_time_total / 1e3 / 3, e.count / 3]
+                                             for e in kernels}}
+            del model, opt, step
+            gc.collect()  # the DDP wrapper's reducer, so that its gradient hooks go before the next variant's
+        del compiled
         if args.compile:  # CUDA graphs holding collectives hang the process group's destruction (module.py)
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
             reset_cudagraph_trees()
         torch.cuda.empty_cache()
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     dist.destroy_process_group()
 
 
