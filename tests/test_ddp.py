@@ -16,6 +16,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy
@@ -147,6 +148,59 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_
     assert called.count("aten.sum.dim_IntList") == 2, called
     y = graph.graph.find_nodes(op="output")[0].args[0][0].meta["val"]
     assert y.dtype == x.dtype and y.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_compiled_sync_batchnorm_saves_no_float32_activation_for_backward(monkeypatch):
+    """What AOT autograd's partitioner keeps from a compiled bf16 forward through the synchronized path for the
+    backward: bfloat16 activations, as with plain BatchNorm, not a float32 x - mean or x_hat per BatchNorm. That copy
+    cost one more pass per layer, ~3 ms per RepLKNet-31B step on 2x H200 (docs/performance.md, session 13). The
+    layers are RepLKNet's patterns: BatchNorm before a convolution, and after one followed by GELU, by a residual
+    addition and by ReLU."""
+    from types import SimpleNamespace
+
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from lkcnn.training import sync_batchnorm
+
+    group = SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 0)
+    monkeypatch.setitem(sync_batchnorm._exchanges, "0",
+                        sync_batchnorm._Exchange(torch.empty(0), [0, 0], 0, 16384, 32768))
+
+    def exchange(mean, var, running_mean, running_var, mean_out, invstd_out, momentum, eps, *_):  # one rank's
+        mean_out.copy_(mean), invstd_out.copy_(torch.rsqrt(var + eps))
+
+    monkeypatch.setattr(sync_batchnorm.build, "load", lambda: SimpleNamespace(exchange_batch_norm_stats=exchange))
+
+    def bn(channels: int) -> nn.Module:
+        module = nn.BatchNorm2d(channels)
+        module.forward = lambda x: sync_batchnorm.traceable_sync_batch_norm(
+            x, module.weight, module.bias, module.running_mean, module.running_var, 1e-5, 0.1, group)
+        return module
+
+    conv = lambda cin, cout: nn.Conv2d(cin, cout, 1, bias=False)  # noqa: E731
+    pre, pw1, bn1, pw2, bn2, pw3, bn3 = bn(16), conv(16, 64), bn(64), conv(64, 16), bn(16), conv(16, 16), bn(16)
+
+    def block(x):
+        x = x + bn2(pw2(F.gelu(bn1(pw1(pre(x))))))
+        return torch.relu(bn3(pw3(x)))
+
+    saved = []
+
+    def forward_compiler(graph, _):  # the forward's outputs: the block's, then what the backward gets
+        outputs = graph.graph.find_nodes(op="output")[0].args[0]
+        saved.extend(n.meta["val"] for n in outputs[1:] if isinstance(n, torch.fx.Node) and n.op != "placeholder")
+        return graph
+
+    compiled = torch.compile(block, backend=lambda gm, inputs: aot_module_simplified(  # partitioned as inductor does
+        gm, inputs, fw_compiler=forward_compiler, bw_compiler=lambda graph, _: graph,
+        partition_fn=min_cut_rematerialization_partition))
+    x = torch.randn(4, 16, 12, 12).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(x)
+    activations = [t for t in saved if t.dim() == 4 and t.shape[0] == 4]
+    assert len(activations) >= 5, saved  # the convolutions' outputs at least
+    assert [(t.shape, t.dtype) for t in activations if t.dtype != torch.bfloat16] == []
 
 
 def test_nvlink_statistics_exchange_without_setup_says_what_to_do():

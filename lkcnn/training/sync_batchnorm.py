@@ -94,19 +94,23 @@ class _Normalize(torch.autograd.Function):
                 group_name: str, count: int) -> Tensor:
         shape = _channel_axes(x)[0]
         scale = invstd if weight is None else invstd * weight
-        ctx.save_for_backward(x, mean, invstd, scale)
+        shift = -mean * scale if bias is None else bias - mean * scale
+        ctx.save_for_backward(x, mean, invstd, weight)
         ctx.group_name, ctx.count = group_name, count
-        ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        y = (x.float() - mean.view(shape)) * scale.view(shape)
-        y = y if bias is None else y + bias.view(shape)
+        # x * scale + shift, not (x - mean) * scale + bias: with the latter, the forward and the backward's x_hat share
+        # the float32 x - mean, and AOT's partitioner saved that (or x_hat) for the backward instead of x itself: one
+        # more pass per layer writing twice x's bytes, ~3 ms per RepLKNet-31B step (docs/performance.md, session 13).
+        # The rounding differs by ~|mean| / std float32 ulps, far below a bfloat16 input's own.
+        y = x.float() * scale.view(shape) + shift.view(shape)
         # not y.to(x.dtype) when that is y itself: with torch 2.11, dynamo then passes a zero gradient to backward
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, mean, invstd, scale = ctx.saved_tensors
+        x, mean, invstd, weight = ctx.saved_tensors
         shape, dims = _channel_axes(x)
+        scale = invstd if weight is None else invstd * weight
         dy = dy.float()
         x_hat = (x.float() - mean.view(shape)) * invstd.view(shape)
         sum_dy, sum_dy_x_hat = dy.sum(dims), (dy * x_hat).sum(dims)
@@ -115,7 +119,7 @@ class _Normalize(torch.autograd.Function):
         mean_dy, mean_dy_x_hat = total_dy / ctx.count, total_dy_x_hat / ctx.count
         grad_x = (dy - mean_dy.view(shape) - x_hat * mean_dy_x_hat.view(shape)) * scale.view(shape)
         # weight and bias gradients are this rank's share: DDP all-reduces them with the other parameters
-        grad_weight = None if ctx.weight_dtype is None else sum_dy_x_hat.to(ctx.weight_dtype)
+        grad_weight = None if weight is None else sum_dy_x_hat.to(weight.dtype)
         grad_bias = None if ctx.bias_dtype is None else sum_dy.to(ctx.bias_dtype)
         return grad_x.to(x.dtype), None, None, grad_weight, grad_bias, None, None
 
