@@ -9,10 +9,10 @@ Lightning, so the numbers isolate the model, the BatchNorm and the collectives f
 With --compile the network is compiled in place before DDP wraps it, as the training app does (one graph:
 module.py turns off dynamo's DDP graph splitting), and lkcnn's SyncBatchNorm runs as traced tensor ops around
 its exchange ops; --nvlink sends those through lkcnn's NVLink kernels as the app does on one machine.
-Each rank reports its GPU timeline per step: the span, its forward, backward (with DDP's gradient copies and
-all-reduce) and optimizer phases, the time no kernel ran, and its time in collective kernels, which includes waiting
-for the other ranks at each synchronized BatchNorm, so the two ranks' figures show the skew between them. --ddp
-compares DDP's settings on the same compiled network.
+Each rank reports its GPU timeline per step: the span, the time no kernel ran, and its time in collective
+kernels, which includes waiting for the other ranks at each synchronized BatchNorm, so the two ranks' figures show
+the skew between them. --ddp compares DDP's settings on the same compiled network; --json keeps rank 0's whole
+kernel table, to compare runs kernel by kernel.
 
 One process runs the network without DDP, as the training app's single-GPU run does: the baseline of the scaling.
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 import lkcnn  # noqa: F401  registers the models
 from lkcnn.training.sync_batchnorm import (
@@ -97,12 +97,8 @@ def _timeline(prof, steps: int = 3) -> dict[str, float]:
     last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the NVLink
     exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
     another rank, so their median and tail show the skew that each synchronized BatchNorm costs."""
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if not e.is_user_annotation)
-    phases = {}  # the GPU time from the first to the last kernel of each phase of step_fn, per step
-    for e in events:
-        if e.is_user_annotation and e.name.startswith("step."):
-            phases[e.name] = phases.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / steps / 1e3
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA" and not e.is_user_annotation)  # kernels, copies, memsets
     busy, end = 0.0, spans[0][0]
     for start, stop, _ in spans:  # the union of the intervals (kernels of NCCL's streams may overlap compute)
         busy += max(0.0, stop - max(start, end))
@@ -113,18 +109,16 @@ def _timeline(prof, steps: int = 3) -> dict[str, float]:
     return {"span_ms": span / 1e3, "busy_ms": busy / steps / 1e3, "idle_ms": span / 1e3 - busy / steps / 1e3,
             "kernels": len(spans) / steps, "exchanges": len(exchange) / steps,
             "exchange_ms": sum(exchange) / steps / 1e3, "exchange_p10_us": pick(0.1),
-            "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0), **phases}
+            "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0)}
 
 
 def step_fn(model, opt, x, y):
     def step():
-        with record_function("step.forward"), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
-        with record_function("step.backward"):  # DDP's gradient copies and all-reduce included
-            loss.backward()
-        with record_function("step.optimizer"):
-            opt.step()
+        loss.backward()
+        opt.step()
     return step
 
 
@@ -134,8 +128,7 @@ def report(name: str, images_per_s: float, seconds: float, gathered, kernels, av
     print(f"\n== {name} x {args.batch}: {images_per_s:.1f} img/s, step {seconds * 1e3:.1f} ms; kernels "
           f"{busy_ms:.1f} ms/step; host {host_ms:.1f} ms/step (profiled, both threads)")
     for r, (nccl_ms, t) in enumerate(gathered):
-        phases = ", ".join(f"{k[5:]} {v:.1f}" for k, v in t.items() if k.startswith("step."))
-        print(f"   rank {r}: GPU span {t['span_ms']:.1f} ms/step ({phases}), busy {t['busy_ms']:.1f}, idle "
+        print(f"   rank {r}: GPU span {t['span_ms']:.1f} ms/step, busy {t['busy_ms']:.1f}, idle "
               f"{t['idle_ms']:.1f}, {t['kernels']:.0f} kernels; NCCL {nccl_ms:.2f} ms; {t['exchanges']:.0f} NVLink "
               f"exchanges {t['exchange_ms']:.2f} ms (us p10 {t['exchange_p10_us']:.1f} p50 "
               f"{t['exchange_p50_us']:.1f} p90 {t['exchange_p90_us']:.1f} max {t['exchange_max_us']:.0f})")
