@@ -178,7 +178,7 @@ def test_compiled_sync_batchnorm_saves_no_float32_activation_for_backward(monkey
             x, module.weight, module.bias, module.running_mean, module.running_var, 1e-5, 0.1, group)
         return module
 
-    conv = lambda cin, cout: nn.Conv2d(cin, cout, 1, bias=False)  # noqa: E731
+    conv = lambda cin, cout: nn.Conv2d(cin, cout, 1, bias=False)
     pre, pw1, bn1, pw2, bn2, pw3, bn3 = bn(16), conv(16, 64), bn(64), conv(64, 16), bn(16), conv(16, 16), bn(16)
 
     def block(x):
@@ -222,48 +222,52 @@ def _traceable_rank(rank: int, folder: str, compiled: str) -> None:
         inputs = torch.load(Path(folder) / "inputs.pt")
         half = slice(rank * 4, rank * 4 + 4)
         x = inputs["x"][half].contiguous(memory_format=torch.channels_last).requires_grad_()
-        weight, bias = (inputs[k].clone().requires_grad_() for k in ("weight", "bias"))
-        running = [inputs["running_mean"].clone(), torch.ones(weight.shape)]
+        weight, bias = (None if inputs[k] is None else inputs[k].clone().requires_grad_() for k in ("weight", "bias"))
+        running = [inputs["running_mean"].clone(), torch.ones(x.shape[1])]
         fn = traceable_sync_batch_norm if compiled == "eager" else \
             torch.compile(traceable_sync_batch_norm, backend=compiled, fullgraph=True)
         y = fn(x, weight, bias, *running, 1e-5, 0.1, dist.group.WORLD)
         y.backward(inputs["dy"][half])
-        torch.save({"y": y.detach(), "grad_x": x.grad, "grad_w": weight.grad, "grad_b": bias.grad,
+        torch.save({"y": y.detach(), "grad_x": x.grad, "grad_w": None if weight is None else weight.grad,
+                    "grad_b": None if bias is None else bias.grad,
                     "running": running, "channels_last": y.is_contiguous(memory_format=torch.channels_last)},
                    Path(folder) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("compiled", ["eager", "aot_eager", "inductor"])
-@pytest.mark.parametrize("offset", [0.5, 1000.0])
-def test_traceable_sync_batchnorm_on_two_ranks_is_batchnorm_of_the_whole_batch(tmp_path, compiled, offset):
+@pytest.mark.parametrize("compiled,offset,affine", [
+    (compiled, offset, True) for compiled in ("eager", "aot_eager", "inductor") for offset in (0.5, 1000.0)]
+    + [("eager", 0.5, False), ("inductor", 0.5, False)])
+def test_traceable_sync_batchnorm_on_two_ranks_is_batchnorm_of_the_whole_batch(tmp_path, compiled, offset, affine):
     """The path torch.compile takes (its all-reduce on gloo here): each rank's half of the batch normalized with the
     statistics of both halves gives BatchNorm of the whole batch, the input gradient included; weight and bias
     gradients are each rank's share (DDP sums them); every rank's running statistics are the whole batch's. With
     activations far from zero (offset 1000) and a running mean that has followed them, the variance must keep its
-    precision in float32."""
+    precision in float32. Without weight and bias too (affine=False)."""
     import torch.multiprocessing as mp
-    import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 6, 5, 3, generator=gen) * 2 + offset
     dy, weight, bias = torch.randn(8, 6, 5, 3, generator=gen), torch.rand(6, generator=gen) + 0.5, torch.randn(6)
     running_mean = torch.full((6,), offset) + torch.randn(6, generator=gen)  # near the batch mean, as in training
+    if not affine:
+        weight = bias = None
     torch.save({"x": x, "dy": dy, "weight": weight, "bias": bias, "running_mean": running_mean},
                tmp_path / "inputs.pt")
     mp.spawn(_traceable_rank, args=(str(tmp_path), compiled), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
-    x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, bias))
+    x64, w64, b64 = (None if t is None else t.double().requires_grad_() for t in (x, weight, bias))
     running64 = [running_mean.double(), torch.ones(6, dtype=torch.float64)]
-    F.batch_norm(x64, *running64, w64, b64, training=True, momentum=0.1, eps=1e-5).backward(dy.double())
-    y64 = F.batch_norm(x64.detach(), None, None, w64.detach(), b64.detach(), training=True, eps=1e-5)
+    y64 = F.batch_norm(x64, *running64, w64, b64, training=True, momentum=0.1, eps=1e-5)
+    y64.backward(dy.double())
     close = {"rtol": 1e-4, "atol": 1e-4}
-    torch.testing.assert_close(torch.cat([r["y"] for r in ranks]).double(), y64, **close)
+    torch.testing.assert_close(torch.cat([r["y"] for r in ranks]).double(), y64.detach(), **close)
     torch.testing.assert_close(torch.cat([r["grad_x"] for r in ranks]).double(), x64.grad, **close)
-    torch.testing.assert_close(sum(r["grad_w"] for r in ranks).double(), w64.grad, **close)
-    torch.testing.assert_close(sum(r["grad_b"] for r in ranks).double(), b64.grad, **close)
+    if affine:
+        torch.testing.assert_close(sum(r["grad_w"] for r in ranks).double(), w64.grad, **close)
+        torch.testing.assert_close(sum(r["grad_b"] for r in ranks).double(), b64.grad, **close)
     for r in ranks:
         assert r["channels_last"]
         torch.testing.assert_close([t.double() for t in r["running"]], running64, **close)
