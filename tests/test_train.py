@@ -201,3 +201,46 @@ def test_ckpt_path_latest_finds_the_newest_last_ckpt(tmp_path):
     assert resolve_ckpt_path(None, str(tmp_path)) is None
     with pytest.raises(PathNotFoundError, match="is not a file"):
         resolve_ckpt_path(str(tmp_path / "missing.ckpt"), str(tmp_path))
+
+
+def test_training_waits_for_the_device_only_at_logging_steps(tmp_path, monkeypatch):
+    """Each Tensor.item() makes the host wait for the GPU, and a CUDA-graph step then idles while the host prepares
+    the next batch. Lightning reads values logged with prog_bar=True every step (Lightning-AI/pytorch-lightning#21232),
+    so the loss reaches the progress bar through lkcnn's ProgressBar, which reads it only at logging steps."""
+    from lkcnn.training.progress_bar import ProgressBar
+
+    steps, every = 12, 4
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), f"data.num_train={4 * steps}", f"trainer.max_steps={steps}",
+                   f"trainer.log_every_n_steps={every}", "trainer.limit_val_batches=0", "module.ema=null")
+    reads, counting = [], [False]
+    item = torch.Tensor.item
+
+    def counted_item(t):
+        if counting[0] and t.is_floating_point():  # (not the loader's integer seed, drawn on the host)
+            reads.append(t)
+        return item(t)
+
+    class Count(L.Callback):
+        def on_train_start(self, *_):
+            counting[0] = True
+
+        def on_train_end(self, *_):
+            counting[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "item", counted_item)
+    bar = ProgressBar()
+    trainer = instantiate(cfg.trainer, logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+                          callbacks=[bar, Count()])
+    module = instantiate(cfg.module)
+    trainer.fit(module, datamodule=instantiate(cfg.data))
+    # per logging step the logger's read and the bar's, and the epoch's loss at its end: not one per step
+    assert 0 < len(reads) <= 2 * (steps // every) + 3, len(reads)
+    shown = bar.get_metrics(trainer, module)
+    assert shown["train/loss_step"] == pytest.approx(trainer.callback_metrics["train/loss_step"].item())
+
+
+def test_progress_bar_rejects_a_loss_interval_below_one():
+    from lkcnn.training.progress_bar import ProgressBar
+
+    with pytest.raises(ValueError, match="fix callbacks.progress_bar.loss_every_n_steps"):
+        ProgressBar(loss_every_n_steps=0)
