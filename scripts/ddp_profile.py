@@ -73,7 +73,8 @@ def build(bn: str, device: torch.device, channels_last: bool, compile_mode: str 
 # DDP's settings to compare on one compiled network (DDP wraps it outside the compiled graphs, so no recompile):
 # trainer=ddp's (25 MB buckets, no buffer broadcast), the whole gradient in one bucket, and gradients all-reduced in
 # bfloat16 (torch's bf16_compress_hook).
-DDP_VARIANTS = {"default": {}, "bucket400": {"bucket_cap_mb": 400}, "bf16": {}}
+DDP_VARIANTS = {"default": ({}, None), "bucket400": ({"bucket_cap_mb": 400}, None),
+                "bf16": ({}, default_hooks.bf16_compress_hook)}  # name -> (DDP's arguments, communication hook)
 
 
 def wrap(model: torch.nn.Module, variant: str, device: torch.device) -> torch.nn.Module:
@@ -81,9 +82,10 @@ def wrap(model: torch.nn.Module, variant: str, device: torch.device) -> torch.nn
     app's single-GPU strategy)."""
     if dist.get_world_size() == 1:
         return model
-    ddp = DistributedDataParallel(model, device_ids=[device.index], broadcast_buffers=False, **DDP_VARIANTS[variant])
-    if variant == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    kwargs, hook = DDP_VARIANTS[variant]
+    ddp = DistributedDataParallel(model, device_ids=[device.index], broadcast_buffers=False, **kwargs)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
     return ddp
 
 

@@ -110,6 +110,19 @@ def test_sync_batchnorm_is_batchnorm_outside_distributed_training():
     assert synced.num_batches_tracked.item() == bn.num_batches_tracked.item() == 1
 
 
+def _fake_group_with_exchange(monkeypatch, max_channels: int | None = 16384):
+    """A stand-in for a two-rank process group named "0" (what the traced path asks it), and, unless max_channels is
+    None, the NVLink exchange registered for it as enable_nvlink_exchange would (nothing here runs its kernels)."""
+    from types import SimpleNamespace
+
+    from lkcnn.training import sync_batchnorm
+
+    if max_channels is not None:
+        monkeypatch.setitem(sync_batchnorm._exchanges, "0",
+                            sync_batchnorm._Exchange(torch.empty(0), [0, 0], 0, max_channels, 32768))
+    return SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 0)
+
+
 @pytest.mark.parametrize("exchange", ["none", "nvlink", "nvlink-too-many-channels"])
 def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_way(monkeypatch, exchange):
     """What torch.compile sees of the synchronized path, traced with fake tensors: plain tensor ops (which inductor
@@ -119,19 +132,13 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_
     kernel's channel limit), the one op lkcnn::exchange_batch_norm_stats that also updates them. The backward
     reduces over the batch just twice (sum dy and sum dy * x_hat, which inductor fuses into one pass), as
     BatchNorm's own backward does, not the five sums (and two means) of autograd through var_mean."""
-    from types import SimpleNamespace
-
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lkcnn.training import sync_batchnorm
     from lkcnn.training.sync_batchnorm import sync_batch_norm
 
-    group = SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 1)  # what a process group is asked for
+    group = _fake_group_with_exchange(
+        monkeypatch, {"none": None, "nvlink": 16384, "nvlink-too-many-channels": 5}[exchange])
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path dynamo takes
-    if exchange != "none":  # what enable_nvlink_exchange registers (nothing runs the kernels in a fake trace)
-        max_channels = 5 if exchange == "nvlink-too-many-channels" else 16384
-        monkeypatch.setitem(sync_batchnorm._exchanges, "0",
-                            sync_batchnorm._Exchange(torch.empty(0), [0, 0], 1, max_channels, 32768))
     fused = exchange == "nvlink"
 
     def step(x, weight, bias, running_mean, running_var, dy):
@@ -163,9 +170,7 @@ def test_compiled_sync_batchnorm_saves_no_float32_activation_for_backward(monkey
 
     from lkcnn.training import sync_batchnorm
 
-    group = SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 0)
-    monkeypatch.setitem(sync_batchnorm._exchanges, "0",
-                        sync_batchnorm._Exchange(torch.empty(0), [0, 0], 0, 16384, 32768))
+    group = _fake_group_with_exchange(monkeypatch)
 
     def exchange(mean, var, running_mean, running_var, mean_out, invstd_out, momentum, eps, *_):  # one rank's
         mean_out.copy_(mean), invstd_out.copy_(torch.rsqrt(var + eps))
