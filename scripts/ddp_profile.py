@@ -94,8 +94,8 @@ def _kernel_ms(kernels, *names: str) -> float:
     return sum(e.self_device_time_total for e in kernels if any(n in e.key.lower() for n in names)) / 1e3 / 3
 
 
-def _timeline(prof, steps: int = 3) -> dict[str, float]:
-    """This rank's GPU timeline over the profiled steps, per step: the span from the first kernel's start to the
+def gpu_timeline(prof, steps: int = 3) -> dict[str, float]:
+    """This rank's (or process's) GPU timeline over the profiled steps, per step: the span from the first kernel's start to the
     last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the NVLink
     exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
     another rank, so their median and tail show the skew that each synchronized BatchNorm costs."""
@@ -112,6 +112,13 @@ def _timeline(prof, steps: int = 3) -> dict[str, float]:
             "kernels": len(spans) / steps, "exchanges": len(exchange) / steps,
             "exchange_ms": sum(exchange) / steps / 1e3, "exchange_p10_us": pick(0.1),
             "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0)}
+
+
+def kernel_table(averages) -> list:
+    """The profiled GPU work (kernels, copies, memsets; not user annotations) of `prof.key_averages()`, by name,
+    the longest first."""
+    return sorted((e for e in averages if e.device_type.name == "CUDA" and not e.is_user_annotation),
+                  key=lambda e: e.self_device_time_total, reverse=True)
 
 
 def step_fn(model, opt, x, y):
@@ -190,10 +197,9 @@ def main() -> None:
                 os.makedirs(args.trace, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(args.trace, f"{name}_rank{rank}.json.gz"))  # gzipped by name
             averages = prof.key_averages()
-            kernels = sorted((e for e in averages if e.device_type.name == "CUDA" and not e.is_user_annotation),
-                             key=lambda e: e.self_device_time_total, reverse=True)
+            kernels = kernel_table(averages)
             gathered = [None] * world  # each rank's NCCL ms per step and GPU timeline
-            dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), _timeline(prof)))
+            dist.all_gather_object(gathered, (_kernel_ms(kernels, "nccl"), gpu_timeline(prof)))
             if rank == 0:
                 report(name, world * args.batch / seconds, seconds, gathered, kernels, averages, args)
                 results[name] = {"images_per_s": world * args.batch / seconds, "step_ms": seconds * 1e3,

@@ -3,7 +3,7 @@ the collectives run).
 
 With one rank the synchronized statistics are the local ones, so forward, input/weight/bias gradients and the
 running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last,
-with and without affine parameters; and no host synchronization anywhere. Compiled (traceable_sync_batch_norm, also
+with and without affine parameters (compiled too); and no host synchronization anywhere. Compiled (traceable_sync_batch_norm, also
 captured into CUDA graphs by mode="reduce-overhead"), with its exchanges on NCCL and on lkcnn's NVLink kernels, the
 same must hold step after step; opcheck checks the exchange ops.
 """
@@ -91,8 +91,8 @@ class _Synced(nn.BatchNorm2d):
     """BatchNorm2d whose training forward is sync_batch_norm over `group`, even a one-rank group (which
     lkcnn.training.SyncBatchNorm skips): buffers and parameters as torch.compile sees them in a network."""
 
-    def __init__(self, channels: int, group) -> None:
-        super().__init__(channels)
+    def __init__(self, channels: int, group, affine: bool = True) -> None:
+        super().__init__(channels, affine=affine)
         self.group = group
 
     def forward(self, x):
@@ -103,15 +103,18 @@ class _Synced(nn.BatchNorm2d):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.bfloat16, True)],
                          ids=["float32-nchw", "bfloat16-channels_last"])
-def test_compiled_matches_batchnorm(group, exchange, mode, dtype, channels_last):
+@pytest.mark.parametrize("affine", [True, False])
+def test_compiled_matches_batchnorm(group, exchange, mode, dtype, channels_last, affine):
     seed = random.randrange(2**31)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     n, c, h, w = 6, 24, 9, 7
-    bn = _Synced(c, group).cuda()
-    with torch.no_grad():
-        bn.weight.copy_(torch.randn(c, device="cuda", generator=gen) + 1)
-        bn.bias.copy_(torch.randn(c, device="cuda", generator=gen))
-    w64, b64 = (p.detach().double().requires_grad_() for p in (bn.weight, bn.bias))
+    bn = _Synced(c, group, affine).cuda()
+    w64 = b64 = None
+    if affine:
+        with torch.no_grad():
+            bn.weight.copy_(torch.randn(c, device="cuda", generator=gen) + 1)
+            bn.bias.copy_(torch.randn(c, device="cuda", generator=gen))
+        w64, b64 = (p.detach().double().requires_grad_() for p in (bn.weight, bn.bias))
     running64 = [torch.zeros(c, device="cuda", dtype=torch.float64), torch.ones(c, device="cuda", dtype=torch.float64)]
     compiled = torch.compile(bn, fullgraph=True, mode=None if mode == "default" else mode)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -125,13 +128,15 @@ def test_compiled_matches_batchnorm(group, exchange, mode, dtype, channels_last)
         x64 = x.detach().double().requires_grad_()
         y64 = F.batch_norm(x64, *running64, w64, b64, training=True, momentum=0.1, eps=1e-5)
         y64.backward(dy.double())
-        _assert_close([("out", y, y64), ("grad_x", x.grad, x64.grad), ("grad_w", bn.weight.grad, w64.grad),
-                       ("grad_b", bn.bias.grad, b64.grad), ("running_mean", bn.running_mean, running64[0]),
-                       ("running_var", bn.running_var, running64[1])],
-                      1e-4 if dtype == torch.float32 else 2e-2, f"seed={seed} {mode} {exchange} {dtype} step {step}")
+        checks = [("out", y, y64), ("grad_x", x.grad, x64.grad), ("running_mean", bn.running_mean, running64[0]),
+                  ("running_var", bn.running_var, running64[1])]
+        if affine:
+            checks += [("grad_w", bn.weight.grad, w64.grad), ("grad_b", bn.bias.grad, b64.grad)]
+            w64.grad = b64.grad = None
+        what = f"seed={seed} {mode} {exchange} {dtype} affine={affine} step {step}"
+        _assert_close(checks, 1e-4 if dtype == torch.float32 else 2e-2, what)
         assert y.dtype == dtype and y.is_contiguous(memory_format=memory_format)
         bn.zero_grad(set_to_none=True)
-        w64.grad = b64.grad = None
 
 
 def test_all_reduce_sum_opcheck(group, exchange):
