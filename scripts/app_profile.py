@@ -9,8 +9,8 @@ time, kernels) and the kernels that take the most time, as scripts/ddp_profile.p
 
 cProfile slows Python down, so the step time it prints is longer than a real step; the ranking is what it is for.
 (Lightning's AdvancedProfiler and PyTorchProfiler profile per hook for the whole run, warm-up included; this one
-profiles whole steps, and only the steady state.) --json writes the kernel table in ddp_profile.py's format, so the
-app and the plain loop compare kernel by kernel.
+profiles whole loop iterations, logging and data loading included, and only the steady state.) --json writes the
+kernel table in ddp_profile.py's format, so the app and the plain loop compare kernel by kernel.
 """
 from __future__ import annotations
 
@@ -49,16 +49,15 @@ class StepProfile(L.Callback):
             torch.cuda.synchronize(module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        # from one batch start to another: whole loop iterations, with their logging and the next batch's fetch
         if trainer.global_step == self.warmup and "start" not in RESULT:
             self._sync(pl_module)
+            self.start()  # before the clock: starting torch.profiler takes a while
             RESULT["start"] = time.perf_counter()
-            self.start()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.warmup + self.batches and "profiler" not in RESULT:
+        elif trainer.global_step == self.warmup + self.batches and "profiler" not in RESULT:
             self._sync(pl_module)
             RESULT["step_ms"] = (time.perf_counter() - RESULT["start"]) / self.batches * 1e3
-            self.stop()  # (torch.profiler's takes a while: it collects the events)
+            self.stop()  # (torch.profiler's takes a while too: it collects the events)
             RESULT["profiler"] = self.profiler
 
 

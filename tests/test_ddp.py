@@ -84,7 +84,8 @@ def test_ddp_config_syncs_batchnorm_and_every_batchnorm_converts():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["trainer=ddp"])
     strategy = instantiate(cfg.trainer.strategy)
-    assert type(strategy) is DDPStrategy and strategy._ddp_kwargs == {"broadcast_buffers": False}
+    assert type(strategy) is DDPStrategy
+    assert strategy._ddp_kwargs == {"broadcast_buffers": False, "gradient_as_bucket_view": True}
     assert cfg.trainer.sync_batchnorm is True and cfg.trainer.devices == "auto"
     net = timm.create_model("replknet_tiny", kernel_sizes=[7, 5, 3, 3], small_kernel=3)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in net.modules())
