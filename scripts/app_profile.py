@@ -5,7 +5,8 @@ time, kernels) and the kernels that take the most time, as scripts/ddp_profile.p
 
     python scripts/app_profile.py [--warmup 10] [--batches 10] [--top 40] [--gpu [--json FILE]] [hydra overrides ...]
     e.g. python scripts/app_profile.py --gpu --json app.json model=replknet31b data=synthetic data.batch_size=64 \
-             trainer=ddp trainer.devices=1 trainer.max_steps=30 trainer.limit_val_batches=0 module.compile=reduce-overhead
+             trainer=ddp trainer.devices=1 trainer.max_steps=30 trainer.limit_val_batches=0 \
+             module.compile=reduce-overhead
 
 cProfile slows Python down, so the step time it prints is longer than a real step; the ranking is what it is for.
 (Lightning's AdvancedProfiler and PyTorchProfiler profile per hook for the whole run, warm-up included; this one
@@ -69,18 +70,17 @@ def _print_host(profiler: cProfile.Profile, top: int) -> None:
 
 def _print_gpu(prof, step_ms: float, steps: int, top: int, json_path: str | None) -> None:
     # the plain loop's report (scripts/ddp_profile.py), so that the two compare
-    from ddp_profile import gpu_timeline, kernel_table
+    from ddp_profile import gpu_timeline, kernel_table, per_step
 
     t = gpu_timeline(prof, steps)
-    kernels = kernel_table(prof.key_averages())
+    kernels = per_step(kernel_table(prof.key_averages()), steps)
     print(f"GPU per step: span {t['span_ms']:.1f} ms, busy {t['busy_ms']:.1f}, idle {t['idle_ms']:.1f}, "
           f"{t['kernels']:.0f} kernels")
-    for e in kernels[:top]:
-        print(f"{e.self_device_time_total / 1e3 / steps:8.2f} ms/step {e.count / steps:7.1f}x  {e.key[:110]}")
+    for name, (ms, count) in list(kernels.items())[:top]:
+        print(f"{ms:8.2f} ms/step {count:7.1f}x  {name[:110]}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"app": {"step_ms": step_ms, "ranks": [t], "kernels": {
-                e.key: [e.self_device_time_total / 1e3 / steps, e.count / steps] for e in kernels}}}, f, indent=1)
+            json.dump({"app": {"step_ms": step_ms, "ranks": [t], "kernels": kernels}}, f, indent=1)
 
 
 def main() -> None:

@@ -95,9 +95,9 @@ def _kernel_ms(kernels, *names: str) -> float:
 
 
 def gpu_timeline(prof, steps: int = 3) -> dict[str, float]:
-    """This rank's (or process's) GPU timeline over the profiled steps, per step: the span from the first kernel's start to the
-    last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the NVLink
-    exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
+    """This rank's (or process's) GPU timeline over the profiled steps, per step: the span from the first kernel's
+    start to the last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the
+    NVLink exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
     another rank, so their median and tail show the skew that each synchronized BatchNorm costs."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA" and not e.is_user_annotation)  # kernels, copies, memsets
@@ -119,6 +119,11 @@ def kernel_table(averages) -> list:
     the longest first."""
     return sorted((e for e in averages if e.device_type.name == "CUDA" and not e.is_user_annotation),
                   key=lambda e: e.self_device_time_total, reverse=True)
+
+
+def per_step(kernels, steps: int = 3) -> dict[str, list[float]]:
+    """`kernel_table`'s rows as {name: [ms per step, launches per step]}, the --json format."""
+    return {e.key: [e.self_device_time_total / 1e3 / steps, e.count / steps] for e in kernels}
 
 
 def step_fn(model, opt, x, y):
@@ -204,8 +209,7 @@ def main() -> None:
                 report(name, world * args.batch / seconds, seconds, gathered, kernels, averages, args)
                 results[name] = {"images_per_s": world * args.batch / seconds, "step_ms": seconds * 1e3,
                                  "ranks": [{"nccl_ms": n, **t} for n, t in gathered],
-                                 "kernels": {e.key: [e.self_device_time_total / 1e3 / 3, e.count / 3]
-                                             for e in kernels}}
+                                 "kernels": per_step(kernels)}
             del model, opt, step
             gc.collect()  # the DDP wrapper's reducer, so that its gradient hooks go before the next variant's
         del compiled

@@ -3,9 +3,9 @@ the collectives run).
 
 With one rank the synchronized statistics are the local ones, so forward, input/weight/bias gradients and the
 running statistics must equal F.batch_norm's; fresh random inputs, fp32 and bf16 inputs, NCHW and channels_last,
-with and without affine parameters (compiled too); and no host synchronization anywhere. Compiled (traceable_sync_batch_norm, also
-captured into CUDA graphs by mode="reduce-overhead"), with its exchanges on NCCL and on lkcnn's NVLink kernels, the
-same must hold step after step; opcheck checks the exchange ops.
+with and without affine parameters; and no host synchronization anywhere. Compiled (traceable_sync_batch_norm, also
+captured into CUDA graphs by mode="reduce-overhead"), with its exchanges on NCCL and on lkcnn's NVLink kernels, with
+and without affine parameters, the same must hold step after step; opcheck checks the exchange ops.
 """
 from __future__ import annotations
 
