@@ -185,9 +185,14 @@ def main() -> None:
             model = wrap(compiled, variant, device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             step = step_fn(model, opt, x, y)
+            if rank == 0:  # compiling a synchronized network takes minutes: say so, so that the wait is no hang
+                print(f"[{name}] 5 warm-up steps (compile, CUDA graph capture) ...", flush=True)
+            warmup = time.perf_counter()
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
+            if rank == 0:
+                print(f"[{name}] warm-up took {time.perf_counter() - warmup:.0f} s", flush=True)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -210,6 +215,9 @@ def main() -> None:
                 results[name] = {"images_per_s": world * args.batch / seconds, "step_ms": seconds * 1e3,
                                  "ranks": [{"nccl_ms": n, **t} for n, t in gathered],
                                  "kernels": per_step(kernels)}
+                if args.json:  # after each variant, so that a run stopped later keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
             del model, opt, step
             gc.collect()  # the DDP wrapper's reducer, so that its gradient hooks go before the next variant's
         del compiled
@@ -218,9 +226,6 @@ def main() -> None:
 
             reset_cudagraph_trees()
         torch.cuda.empty_cache()
-    if args.json and rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
     dist.destroy_process_group()
 
 
