@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import hydra
@@ -42,15 +41,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> Any:
-    try:
-        return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
-    except Exception as err:
-        from lkcnn.training.errors import user_error_message
+    from lkcnn.training.errors import exit_on_user_error
 
-        message = user_error_message(err)
-        if message is None:
-            raise
-        sys.exit(f"Error: {message}")
+    with exit_on_user_error():
+        return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
 
 
 if __name__ == "__main__":

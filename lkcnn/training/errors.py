@@ -1,6 +1,10 @@
 """Errors a user can cause through the config or the data: train.py prints their message alone, no stack trace."""
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """Base of the errors whose message says what to change; nothing below it is a bug."""
@@ -42,3 +46,15 @@ def user_error_message(err: BaseException) -> str | None:
             return f"{key} has no value: set it on the command line, e.g. {key}=..."
         cause = cause.__cause__
     return None
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Inside: an error the user caused ends the program with `Error: <its message>`; any other keeps its traceback."""
+    try:
+        yield
+    except Exception as err:
+        message = user_error_message(err)
+        if message is None:
+            raise
+        sys.exit(f"Error: {message}")
