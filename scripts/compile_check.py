@@ -1,4 +1,5 @@
-"""Compile csrc/ to object files for sm_90 against torch's headers, so a compile error fails CI without a GPU.
+"""Compile the extension's sources to object files for sm_90 against torch's headers: a compile error fails CI
+without a GPU. `python scripts/compile_check.py [ARCH] [CSRC_DIR]` (CSRC_DIR: e.g. an installed package's copy).
 
 The CUDA sources go through nvcc (with the resource report of -Xptxas -v), the binding through the host C++
 compiler, as torch.utils.cpp_extension would build them; the files compile in parallel.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from torch.utils import cpp_extension
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+from lkcnn.ops.sources import SOURCES, csrc_dir
 
 
 def _includes() -> list[str]:
@@ -34,10 +35,11 @@ def _command(src: Path, obj: Path, arch: str) -> list[str]:
     return [shutil.which("c++") or "g++", *common, "-fPIC"]
 
 
-def compile_all(arch: str = "90", verbose: bool = True) -> list[Path]:
+def compile_all(arch: str = "90", verbose: bool = True, directory: Path | None = None) -> list[Path]:
+    """Compile every source of lkcnn.ops.sources.SOURCES in `directory` (default: where lkcnn finds them)."""
+    directory = directory or csrc_dir()
     out_dir = Path(tempfile.mkdtemp(prefix="lkcnn_cc_"))
-    sources = sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.cpp"))
-    jobs = [(src, out_dir / f"{src.name}.o") for src in sources]
+    jobs = [(directory / name, out_dir / f"{name}.o") for name in SOURCES]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = list(pool.map(lambda job: subprocess.run(_command(*job, arch), capture_output=True, text=True), jobs))
     for (src, _), proc in zip(jobs, results):
@@ -51,4 +53,5 @@ def compile_all(arch: str = "90", verbose: bool = True) -> list[Path]:
 
 
 if __name__ == "__main__":
-    compile_all(sys.argv[1] if len(sys.argv) > 1 else "90")
+    compile_all(sys.argv[1] if len(sys.argv) > 1 else "90",
+                directory=Path(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -1,27 +1,31 @@
-"""JIT build of the CUDA kernels in csrc/ with torch.utils.cpp_extension, cached per source hash and GPU arch.
+"""The compiled extension: a prebuilt one from `LKCNN_BUILD_EXT=1 pip install`, else a JIT build of the sources.
 
-The build directory is keyed by a hash of the sources, the torch/CUDA versions and the target architectures (as in
-StyleGAN3's custom_ops), so a stale build is never loaded and two versions never fight over one directory.
-`python -m lkcnn.ops.build` builds ahead of time and prints where the build lives.
+The JIT build directory is keyed by a hash of the sources, the torch/CUDA versions and the target architectures (as
+in StyleGAN3's custom_ops), so a stale build is never loaded and two versions never fight over one directory. A
+prebuilt extension is used only when the same hash says it was built from these sources for this torch and covers
+the GPU's architecture. `python -m lkcnn.ops.build` builds ahead of time and prints where the build lives;
+`python -m lkcnn.doctor` tells what is missing when it cannot.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import importlib
+import json
 import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("bindings.cpp", "sync_batchnorm.cpp", "sync_exchange.cu", "dwconv_fwd.cu", "dwconv_wgrad.cu", "dwconv_fwd_tc.cu",
-           "dwconv_wgrad_tc.cu", "dwconv_small.cu", "dwconv_map_tc.cu", "dwconv_fwd_strip.cu",
-           "layout.cu")
-CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
+from .sources import CUDA_FLAGS, CXX_FLAGS, SOURCES, csrc_dir, source_digest
+
+PREBUILT_MODULE = "lkcnn.ops._prebuilt"
+# written by setup.py beside the prebuilt extension: {"digest": ..., "archs": ..., "torch": ...}
+PREBUILT_INFO = Path(__file__).with_name("_prebuilt.json")
 # A build lock older than this belongs to a build that was killed (a cold build takes well under a minute).
 LOCK_STALE_S = float(os.environ.get("LKCNN_BUILD_LOCK_TIMEOUT", "600"))
 
@@ -43,15 +47,26 @@ def arch_list() -> str:
 
 
 def build_directory(archs: str) -> Path:
-    """Where the build for these sources, this torch and these architectures lives (TORCH_EXTENSIONS_DIR honoured)."""
+    """Where the JIT build for these sources, this torch and these archs lives (TORCH_EXTENSIONS_DIR honoured)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    digest = hashlib.sha256()
-    for name in sorted(p.name for p in CSRC.iterdir() if p.suffix in {".cpp", ".cu", ".h", ".cuh"}):
-        digest.update(name.encode() + (CSRC / name).read_bytes())
-    digest.update(f"{torch.__version__}|{torch.version.cuda}|{archs}|{CUDA_FLAGS}".encode())
-    name = f"lkcnn_dwconv_{digest.hexdigest()[:16]}"
+    name = f"lkcnn_dwconv_{source_digest(torch.__version__, torch.version.cuda, archs)}"
     return Path(_get_build_directory(name, verbose=False))
+
+
+def prebuilt_status() -> tuple[bool, str]:
+    """(usable, why): whether the extension compiled at install time fits these sources, this torch and the GPUs."""
+    if not PREBUILT_INFO.is_file():
+        return False, "not installed (LKCNN_BUILD_EXT=1 pip install --no-build-isolation . builds one)"
+    info = json.loads(PREBUILT_INFO.read_text())
+    if info.get("digest") != source_digest(torch.__version__, torch.version.cuda, info.get("archs", "")):
+        return False, (f"built for torch {info.get('torch')} or other sources, this is torch {torch.__version__}: "
+                       "reinstall with LKCNN_BUILD_EXT=1 to refresh it")
+    built = {a.replace("+PTX", "").strip() for a in info.get("archs", "").replace(" ", ";").split(";") if a.strip()}
+    missing = sorted(set(arch_list().split(";")) - built) if torch.cuda.is_available() else []
+    if missing:
+        return False, f"built for compute capability {', '.join(sorted(built))}, not this GPU's {', '.join(missing)}"
+    return True, f"{info.get('archs')} for torch {info.get('torch')}"
 
 
 def _check_lock(directory: Path) -> None:
@@ -91,7 +106,7 @@ def load(verbose: bool = False) -> ModuleType:
     if _failure is not None:
         raise BuildError(_failure)
     try:
-        _module = _build(verbose)
+        _module = _load(verbose)
         return _module
     except BuildError as err:
         _failure = str(err)
@@ -101,21 +116,37 @@ def load(verbose: bool = False) -> ModuleType:
         raise BuildError(_failure) from err
 
 
-def _build(verbose: bool) -> ModuleType:
+def _load(verbose: bool) -> ModuleType:
     if not torch.cuda.is_available():
         raise BuildError("no CUDA device is visible")
+    usable, why = prebuilt_status()
+    if usable:
+        try:
+            return importlib.import_module(PREBUILT_MODULE)
+        except ImportError as err:
+            why = f"it does not import ({err})"
+    if PREBUILT_INFO.is_file():
+        warnings.warn(f"lkcnn's prebuilt CUDA extension is not used: {why}; building from the sources", stacklevel=3)
+    return _jit_build(verbose)
+
+
+def _jit_build(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None or not (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()):
         raise BuildError("nvcc was not found: install the CUDA toolkit or set CUDA_HOME")
+    try:
+        csrc = csrc_dir()
+    except FileNotFoundError as err:
+        raise BuildError(str(err)) from err
     archs = arch_list()
     directory = build_directory(archs)
     directory.mkdir(parents=True, exist_ok=True)
     _check_lock(directory)
     with _env(TORCH_CUDA_ARCH_LIST=archs, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4))):
         return cpp_extension.load(
-            name=directory.name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
-            extra_cflags=["-O3"], extra_cuda_cflags=list(CUDA_FLAGS), verbose=verbose)
+            name=directory.name, sources=[str(csrc / s) for s in SOURCES], build_directory=str(directory),
+            extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=list(CUDA_FLAGS), verbose=verbose)
 
 
 def main() -> None:

@@ -1,0 +1,46 @@
+"""Where the extension's C++/CUDA sources are and which of them it compiles; torch-free, since setup.py reads it.
+
+The sources live in `csrc/` at the top of the repository. A wheel or sdist ships them inside the package as
+`lkcnn/csrc/` (setup.py copies them), so an installed lkcnn builds its kernels from its own copy; a checkout or an
+editable install builds from the repository's `csrc/`.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+# compiled in this order; every other file in csrc/ is a header they include
+SOURCES = ("bindings.cpp", "sync_batchnorm.cpp", "sync_exchange.cu", "dwconv_fwd.cu", "dwconv_wgrad.cu",
+           "dwconv_fwd_tc.cu", "dwconv_wgrad_tc.cu", "dwconv_small.cu", "dwconv_map_tc.cu", "dwconv_fwd_strip.cu",
+           "layout.cu")
+HEADER_SUFFIXES = (".h", ".cuh")
+CXX_FLAGS = ("-O3",)
+CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def csrc_dir() -> Path:
+    """The folder holding the sources: the installed package's copy, else the checkout's `csrc/`."""
+    for candidate in (_PACKAGE / "csrc", _PACKAGE.parent / "csrc"):
+        if (candidate / SOURCES[0]).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"lkcnn's CUDA sources are neither in {_PACKAGE / 'csrc'} (an installed package) nor in "
+        f"{_PACKAGE.parent / 'csrc'} (a checkout): reinstall lkcnn (`pip install --force-reinstall lkcnn`)")
+
+
+def source_files(directory: Path | None = None) -> list[Path]:
+    """Every file the build reads: the compiled sources and the headers beside them."""
+    directory = directory or csrc_dir()
+    headers = sorted(p for p in directory.iterdir() if p.suffix in HEADER_SUFFIXES)
+    return [directory / name for name in SOURCES] + headers
+
+
+def source_digest(torch_version: str, cuda_version: str | None, archs: str, directory: Path | None = None) -> str:
+    """A hash of the sources, the flags, torch, CUDA and the target architectures: one build per distinct input."""
+    digest = hashlib.sha256()
+    for path in sorted(source_files(directory), key=lambda p: p.name):
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(f"{torch_version}|{cuda_version}|{archs}|{CXX_FLAGS}|{CUDA_FLAGS}".encode())
+    return digest.hexdigest()[:16]
