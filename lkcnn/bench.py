@@ -1,9 +1,10 @@
 """`python -m lkcnn.bench` (`lkcnn-bench`): lkcnn's depthwise-conv kernels against PyTorch's best backend, on a GPU.
 
-For each shape, kernel size and dtype of REFERENCE.md section 3 it times the three passes of lkcnn's op (forward,
-grad wrt input, grad wrt weight) and the same passes in PyTorch (cuDNN on/off x NCHW/channels_last, all measured in
-this run), relates them to the FMA and memory floors and to MegEngine's H100 anchors, writes JSON and prints a table
-last. The flop, floor and table logic are pure functions so the CPU tests can check them.
+For each shape, kernel size and dtype of the benchmark set it times the three passes of lkcnn's op (forward, grad wrt
+input, grad wrt weight) and the same passes in PyTorch (cuDNN on/off x NCHW/channels_last, all measured in this run),
+relates them to the FMA and memory floors and to MegEngine's H100 anchors, writes a benchmark record (the schema of
+benchmarks/README.md) and prints a table last. The flop, floor and table logic are pure functions so the CPU tests
+can check them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import itertools
 import json
 import math
 import os
+import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -28,7 +32,8 @@ from torch import Tensor
 
 from lkcnn.ops import build, reference  # importing lkcnn.ops registers torch.ops.lkcnn.*
 
-# The benchmark set of REFERENCE.md section 3, exactly the (shape, k) pairs of benchmarks/anchors_h100.json.
+# The benchmark set: the MegEngine article's shape and RepLKNet-31B's four stages, exactly the (shape, k) pairs of
+# benchmarks/h100_anchors.json.
 SHAPES: dict[str, tuple[int, int, int, int]] = {
     "seed": (64, 384, 32, 32),  # the MegEngine article's shape
     "s1": (64, 128, 56, 56),  # RepLKNet-31B stages at 224 px, batch 64
@@ -43,7 +48,7 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, 
 PASSES = ("fwd", "bwd_input", "bwd_weight")
 TOTAL_KEYS = (*PASSES, "total")
 
-# H100 SXM floors, REFERENCE.md section 3: 67 TFLOP/s fp32 FMA, 134 TFLOP/s packed fp16/bf16 FMA (HFMA2),
+# H100 SXM floors: 67 TFLOP/s fp32 FMA, 134 TFLOP/s packed fp16/bf16 FMA (HFMA2),
 # ~3 TB/s measured copy bandwidth. L2 is 50 MB: input sets smaller than that are rotated between timed calls.
 FP32_FMA_FLOPS = 67e12
 HALF_FMA_FLOPS = 134e12
@@ -59,7 +64,9 @@ REP_MS = 40.0
 SLOW_MS = 10.0
 MIN_REPS = 3
 
-DEFAULT_ANCHORS = Path(__file__).resolve().parents[1] / "benchmarks" / "anchors_h100.json"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ANCHORS = ROOT / "benchmarks" / "h100_anchors.json"
+SCHEMA = "lkcnn-benchmark/1"  # the record format of benchmarks/README.md
 Timer = Callable[[Callable[[], object]], float]
 Anchors = dict[tuple[tuple[int, ...], int, str], dict[str, dict[str, float]]]
 
@@ -196,25 +203,53 @@ def select_configs(shapes: Iterable[str] | None = None, ks: Iterable[int] | None
 
 
 def load_anchors(path: str | Path) -> tuple[str, Anchors]:
-    """The H100 anchors file: its device line and {(nchw, k, dtype): {"pytorch": ms, "megengine": ms}} per pass."""
+    """The anchors record (kind "anchors": rows of PyTorch's and MegEngine's H100 times): its device line and
+    {(nchw, k, dtype): {"pytorch": ms, "megengine": ms}} per pass. Also reads the pre-schema anchors file
+    ({"device", "pytorch": [...], "megengine": [...]}, times named <source>_<pass>_ms)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"anchors file {path} not found; pass --anchors PATH (the repo has "
-                                f"benchmarks/anchors_h100.json) or --anchors '' to run without anchors")
+                                f"benchmarks/h100_anchors.json) or --anchors '' to run without anchors")
     try:
         data = json.loads(path.read_text())
+        if "rows" in data:
+            env = data["environment"]
+            device = f"{env['gpu']}, torch {env['torch']}, {env['date']}"
+            entries = [(row["source"], row, "") for row in data["rows"]]
+        else:
+            device = str(data.get("device", ""))
+            entries = [(source, entry, f"{source}_") for source in ("pytorch", "megengine") for entry in data[source]]
         anchors: Anchors = {}
-        for source in ("pytorch", "megengine"):
-            for entry in data[source]:
-                key = (tuple(entry["nchw"]), int(entry["k"]), entry["dtype"])
-                prefix = f"{source}_"
-                anchors.setdefault(key, {})[source] = {
-                    name[len(prefix):-3]: float(value) for name, value in entry.items()
-                    if name.startswith(prefix) and name.endswith("_ms")}
-        return str(data.get("device", "")), anchors
+        for source, entry, prefix in entries:
+            key = (tuple(entry["nchw"]), int(entry["k"]), entry["dtype"])
+            times = {name[len(prefix):-3]: float(value) for name, value in entry.items()
+                     if name.startswith(prefix) and name.endswith("_ms") and name[len(prefix):-3] in TOTAL_KEYS}
+            if not times:
+                raise KeyError(f"no <pass>_ms time in {entry}")
+            anchors.setdefault(key, {})[source] = times
+        return device, anchors
     except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not an lkcnn anchors file (needs 'pytorch' and 'megengine' lists of entries "
-                         f"with nchw, k, dtype and *_ms times): {type(err).__name__}: {err}") from None
+        raise ValueError(f"{path} is not an lkcnn anchors record (needs rows with source, nchw, k, dtype and "
+                         f"<pass>_ms times): {type(err).__name__}: {err}") from None
+
+
+def load_record(path: str | Path) -> dict[str, Any]:
+    """A kernel benchmark record (benchmarks/README.md's schema), as written by `--json`. A file of the older
+    {"meta", "results"} format is returned in the schema (its environment as far as it was recorded)."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and {"environment", "command", "rows"} <= data.keys():
+        return data
+    if isinstance(data, dict) and {"meta", "results"} <= data.keys():
+        meta = data["meta"]
+        argv = [a for a in meta.get("argv", []) if not a.endswith("bench.py")]
+        env = {"gpu": meta.get("device"), "sm_count": meta.get("sm_count"), "driver": None,
+               "torch": meta.get("torch"), "cuda": meta.get("cuda"), "cudnn": meta.get("cudnn"),
+               "triton": meta.get("triton"), "commit": None, "date": meta.get("date")}
+        how = {k: v for k, v in meta.items() if k not in env and k not in ("device", "argv")}
+        return {"schema": SCHEMA, "kind": "kernels", "environment": env, "command": command_line(argv),
+                "method": how, "rows": data["results"]}
+    raise ValueError(f"{path} is not an lkcnn benchmark record (needs environment, command and rows)")
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -371,36 +406,69 @@ def run(configs: Sequence[Config], timer: Timer, device: torch.device, with_torc
 
 
 # ----------------------------------------------------------------------------------------------- report
-def environment(device: torch.device, timer_name: str) -> dict[str, Any]:
-    """Where and how the numbers were taken."""
+def _run_quietly(args: Sequence[str]) -> str | None:
+    """The stripped stdout of a helper command (git, nvidia-smi), or None when it is missing or fails."""
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=20, cwd=ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """The commit of the checkout the benchmark ran from, and whether tracked files differed from it."""
+    commit = _run_quietly(["git", "rev-parse", "HEAD"])
+    status = _run_quietly(["git", "status", "--porcelain", "--untracked-files=no"]) if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command that reproduces a run with these flags."""
+    return shlex.join(["python", "-m", "lkcnn.bench", *argv])
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Where the numbers were taken: GPU, driver, library versions, commit and date (the record's environment)."""
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     cuda = device.type == "cuda"
+    driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else None
     return {
-        "device": torch.cuda.get_device_name(device) if cuda else str(device),
+        "gpu": torch.cuda.get_device_name(device) if cuda else str(device),
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
         "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if cuda else None,
+        "driver": driver.splitlines()[0] if driver else None,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-        "triton": triton_version, "timer": timer_name,
+        "triton": triton_version, "python": platform.python_version(), **git_state(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def method(timer_name: str) -> dict[str, Any]:
+    """How the numbers were taken: timer, units, PyTorch's variants and the floors."""
+    return {
+        "timer": timer_name,
         "units": "times in ms (median per pass; total = fwd + bwd_input + bwd_weight); flop; bytes",
         "torch_variants": "cudnn_* = cuDNN enabled with cudnn.benchmark (and depthwise_kernel=cudnn_depthwise_kernel"
                           "); native_* = cuDNN disabled; best = smallest total",
         "cudnn_depthwise_kernel": cudnn_depthwise_mode(),
         "floors": {"fp32_fma_flops": FP32_FMA_FLOPS, "half_fma_flops": HALF_FMA_FLOPS,
-                   "memory_bytes_per_s": MEMORY_BYTES_PER_S, "source": "REFERENCE.md section 3 (H100 SXM)"},
+                   "memory_bytes_per_s": MEMORY_BYTES_PER_S, "source": "H100 SXM datasheet rates; measured copy"},
     }
 
 
 def benchmark(configs: Sequence[Config], timer: Timer, timer_name: str, device: torch.device,
-              with_torch: bool = True, anchors: Anchors | None = None, **meta: Any) -> dict[str, Any]:
-    """The whole JSON report: {"meta": environment and extra meta, "results": one dict per config}."""
+              with_torch: bool = True, anchors: Anchors | None = None, command: str = "",
+              **extra: Any) -> dict[str, Any]:
+    """The whole record: schema, kind, environment, the command, the method (with `extra`), one row per config."""
     start = time.perf_counter()
-    results = run(configs, timer, device, with_torch, anchors)
-    info = {**environment(device, timer_name), **meta, "wall_s": round(time.perf_counter() - start, 1)}
-    return {"meta": info, "results": results}
+    rows = run(configs, timer, device, with_torch, anchors)
+    return {"schema": SCHEMA, "kind": "kernels", "environment": environment(device), "command": command,
+            "method": {**method(timer_name), **extra, "wall_s": round(time.perf_counter() - start, 1)},
+            "rows": rows}
 
 
 TABLE_HEADER = ("shape", "k", "dtype", "fwd", "dgrad", "wgrad", "total", "torch", "speedup", "MegEngine", "xMegE",
@@ -490,7 +558,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ks", type=_csv(int), help="comma list of kernel sizes to keep (default all of the shape)")
     parser.add_argument("--dtypes", type=_csv(str.strip), help=f"comma list of {','.join(DTYPES)} (default all)")
     parser.add_argument("--quick", action="store_true", help="seed k9 and k31, s1..s4 at their large kernel only")
-    parser.add_argument("--json", default="bench.json", help="where to write all numbers (default bench.json)")
+    parser.add_argument("--json", default="bench.json", help="where to write the record (default bench.json)")
     parser.add_argument("--plot", help="PNG of time vs kernel size at the seed shape (default: no plot)")
     parser.add_argument("--anchors", default=str(DEFAULT_ANCHORS),
                         help="H100 anchors JSON with MegEngine's times ('' for none; default %(default)s)")
@@ -531,18 +599,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     extension = _load_extension()
     timer_name, timer = gpu_timer()
     report = benchmark(configs, timer, timer_name, torch.device("cuda"), not args.no_torch, anchors,
-                       lkcnn_extension=extension, argv=sys.argv if argv is None else list(argv),
+                       command=command_line(sys.argv[1:] if argv is None else argv), lkcnn_extension=extension,
                        anchors_file={"path": args.anchors or None, "device": anchors_device})
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.json} ({len(configs)} configs in {report['meta']['wall_s']} s)")
+    print(f"wrote {args.json} ({len(configs)} configs in {report['method']['wall_s']} s)")
     if args.plot:
         try:
-            plot(report["results"], args.plot)
+            plot(report["rows"], args.plot)
             print(f"wrote {args.plot}")
         except ValueError as err:
             print(f"lkcnn-bench: no plot: {err}")
-    print(format_table(report["results"]))
+    print(format_table(report["rows"]))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""lkcnn.bench on the CPU: in-bounds FLOPs vs brute force and REFERENCE.md, config selection, anchors, the JSON report
-and table with a fake timing function, failures recorded per config, the plot, and the no-GPU exit."""
+"""lkcnn.bench on the CPU: in-bounds FLOPs vs brute force and the published floors, config selection, anchors, the
+record (benchmarks/README.md's schema) and table with a fake timing function, failures recorded per config, the plot,
+and the no-GPU exit."""
 import json
 from dataclasses import replace
 import os
 import random
+import shlex
 import subprocess
 import sys
 
@@ -13,8 +15,8 @@ import torch.nn.functional as F
 
 from lkcnn import bench
 
-# REFERENCE.md section 3: useful GFLOP per pass, % of dense, fp32 FMA floor of the 3 passes (ms), as printed there.
-REFERENCE_FLOPS = {
+# docs/performance.md's floors table: useful GFLOP per pass, % of dense, fp32 FMA floor of the 3 passes (ms), as printed.
+PUBLISHED_FLOPS = {
     ("seed", 31): ("27.8", "57", "1.25"), ("s1", 31): ("36.7", "74", "1.64"), ("s2", 29): ("11.9", "55", "0.53"),
     ("s3", 27): ("2.5", "27", "0.11"), ("s4", 13): ("0.3", "29", "0.014"),
 }
@@ -64,9 +66,9 @@ def test_useful_flops_count_nonzero_products():
     assert bench.useful_flops((n, c, h, w), k) <= 2 * n * c * h * w * k * k
 
 
-@pytest.mark.parametrize("shape,k", list(REFERENCE_FLOPS))
-def test_flops_and_floors_reproduce_reference(shape, k):
-    gflop, dense_pct, floor_ms = REFERENCE_FLOPS[(shape, k)]
+@pytest.mark.parametrize("shape,k", list(PUBLISHED_FLOPS))
+def test_flops_and_floors_reproduce_published_table(shape, k):
+    gflop, dense_pct, floor_ms = PUBLISHED_FLOPS[(shape, k)]
     cfg = bench.Config(shape, bench.SHAPES[shape], k, "fp32")
     info = bench.describe(cfg)
     assert abs(info["useful_flop_per_pass"] / 1e9 - float(gflop)) <= _half_digit(gflop)
@@ -79,14 +81,15 @@ def test_flops_and_floors_reproduce_reference(shape, k):
     assert half["memory"]["total"] < info["floor_ms"]["memory"]["total"]
 
 
-def test_memory_floor_reproduces_reference_s4():
-    # REFERENCE.md: s4 k13 fp32 memory floor for the three passes 0.026 ms
+def test_memory_floor_reproduces_published_s4():
+    # docs/performance.md: s4 k13 fp32 memory floor for the three passes 0.026 ms
     assert bench.floors_ms(bench.SHAPES["s4"], 13, "fp32")["memory"]["total"] == pytest.approx(0.026, abs=5e-4)
 
 
 def test_benchmark_set_is_the_anchor_files_set():
     data = json.loads(bench.DEFAULT_ANCHORS.read_text())
-    anchored = {(e["shape"], tuple(e["nchw"]), e["k"], e["dtype"]) for e in data["pytorch"]}
+    assert data["schema"] == bench.SCHEMA and data["kind"] == "anchors"
+    anchored = {(e["shape"], tuple(e["nchw"]), e["k"], e["dtype"]) for e in data["rows"] if e["source"] == "pytorch"}
     ours = {(c.shape, c.nchw, c.k, c.dtype) for c in bench.select_configs()}
     assert ours == anchored
     device, anchors = bench.load_anchors(bench.DEFAULT_ANCHORS)
@@ -132,17 +135,26 @@ def test_benchmark_json_schema_with_fake_timer():
     total = {p: random.uniform(1, 9) for p in bench.PASSES}
     anchors = {(configs[0].nchw, configs[0].k, "fp32"): {"megengine": {**total, "total": sum(total.values())}}}
     calls = []
-    report = bench.benchmark(configs, fake_timer(calls), "fake", torch.device("cpu"), anchors=anchors, argv=[])
+    command = bench.command_line(["--quick", "--dtypes", "fp32,bf16", "--json", "out dir/b.json"])
+    report = bench.benchmark(configs, fake_timer(calls), "fake", torch.device("cpu"), anchors=anchors, command=command)
     report = json.loads(json.dumps(report))  # JSON-serializable as written
 
-    assert {"device", "torch", "cuda", "date", "timer", "floors", "wall_s"} <= set(report["meta"])
-    assert len(report["results"]) == len(configs)
+    assert (report["schema"], report["kind"]) == (bench.SCHEMA, "kernels")
+    env = report["environment"]
+    assert {"gpu", "gpu_count", "driver", "torch", "cuda", "cudnn", "commit", "dirty", "date"} <= set(env)
+    assert (env["gpu"], env["torch"]) == ("cpu", torch.__version__)
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=bench.ROOT)
+    assert env["commit"] == (git.stdout.strip() if git.returncode == 0 else None)
+    assert shlex.split(report["command"]) == ["python", "-m", "lkcnn.bench", "--quick", "--dtypes", "fp32,bf16",
+                                              "--json", "out dir/b.json"]
+    assert {"timer", "floors", "wall_s"} <= set(report["method"]) and report["method"]["timer"] == "fake"
+    assert len(report["rows"]) == len(configs)
     assert len(calls) == len(configs) * 3 * (1 + len(bench.TORCH_VARIANTS))  # every pass of lkcnn and 4 variants
     for cfg in configs:  # 3 outputs per timed set of passes: two maps and one weight gradient
         weight_grads = calls.count((cfg.nchw[1], 1, cfg.k, cfg.k))
         assert weight_grads == sum(o.k == cfg.k for o in configs) * (1 + len(bench.TORCH_VARIANTS))
     assert calls.count(configs[0].nchw) == 2 * len(calls) // 3
-    for cfg, r in zip(configs, report["results"]):
+    for cfg, r in zip(configs, report["rows"]):
         assert (r["shape"], tuple(r["nchw"]), r["k"], r["dtype"]) == (cfg.shape, cfg.nchw, cfg.k, cfg.dtype)
         lk = r["lkcnn"]
         assert set(lk) == set(bench.TOTAL_KEYS)
@@ -246,7 +258,7 @@ def test_main_rejects_bad_flags_and_anchors(tmp_path, capsys):
         bench.main(["--anchors", str(tmp_path / "missing.json")])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"pytorch": [{"shape": "seed"}]}))
-    with pytest.raises(SystemExit, match="is not an lkcnn anchors file"):
+    with pytest.raises(SystemExit, match="is not an lkcnn anchors record"):
         bench.main(["--anchors", str(bad)])
 
 
@@ -268,3 +280,45 @@ def test_pytorch_backend_switches_and_restores_cudnn():
     with bench.pytorch_backend(False):
         assert not torch.backends.cudnn.enabled
     assert (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark) == before
+
+
+def test_anchors_read_both_formats_alike(tmp_path):
+    """The record's rows and the pre-schema lists (<source>_<pass>_ms names) give the same anchors."""
+    device, anchors = bench.load_anchors(bench.DEFAULT_ANCHORS)
+    rows = json.loads(bench.DEFAULT_ANCHORS.read_text())["rows"]
+    legacy = {"device": "H100", "pytorch": [], "megengine": []}
+    for row in rows:
+        entry = {k: v for k, v in row.items() if k != "source" and not k.endswith("_ms")}
+        entry.update({f"{row['source']}_{k}": v for k, v in row.items() if k.endswith("_ms")})
+        legacy[row["source"]].append(entry)
+    path = tmp_path / "legacy.json"
+    path.write_text(json.dumps(legacy))
+    assert bench.load_anchors(path) == ("H100", anchors)
+    assert "2.11" in device and len(anchors) == len({(tuple(r["nchw"]), r["k"], r["dtype"]) for r in rows})
+
+
+def test_record_round_trip_and_legacy_format(tmp_path):
+    configs = tiny_configs()
+    report = bench.benchmark(configs, fake_timer(), "fake", torch.device("cpu"), command=bench.command_line([]))
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(report))
+    assert bench.load_record(path) == json.loads(json.dumps(report))
+    legacy = {"meta": {"device": "NVIDIA H100", "torch": "2.11", "cuda": "13.0", "date": "2026-01-01",
+                       "timer": "fake", "argv": ["/x/lkcnn/bench.py", "--quick"]}, "results": report["rows"]}
+    path.write_text(json.dumps(legacy))
+    record = bench.load_record(path)
+    assert record["environment"]["gpu"] == "NVIDIA H100" and record["command"] == "python -m lkcnn.bench --quick"
+    assert record["method"] == {"timer": "fake"} and record["rows"] == legacy["results"]
+    path.write_text(json.dumps({"images_per_s": 1.0}))
+    with pytest.raises(ValueError, match="not an lkcnn benchmark record"):
+        bench.load_record(path)
+
+
+def test_committed_kernel_record_is_current_schema():
+    """benchmarks/h100_kernels.json (what the README and the notebook read) loads and holds the quick set's rows."""
+    record = bench.load_record(bench.ROOT / "benchmarks" / "h100_kernels.json")
+    assert record["schema"] == bench.SCHEMA and "H100" in record["environment"]["gpu"]
+    assert len(record["environment"]["commit"]) == 40 and record["command"].startswith("python -m lkcnn.bench")
+    for row in record["rows"]:
+        assert row["lkcnn"]["total"] == pytest.approx(sum(row["lkcnn"][p] for p in bench.PASSES), rel=1e-6)
+        assert row["speedup_vs_torch"]["total"] > 1
