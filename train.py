@@ -18,21 +18,31 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import torch
     from hydra.utils import instantiate
 
-    from lkcnn.training import SyncBatchNormPlugin, resolve_ckpt_path
+    from hydra.core.hydra_config import HydraConfig
 
+    from lkcnn.training import SyncBatchNormPlugin, resolve_ckpt_path
+    from lkcnn.training.console import quiet_known_noise
+    from lkcnn.training.run_summary import RunSummary
+
+    quiet_known_noise()
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
+    on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") != "cpu"
+    threads = cfg.cpu_threads or (1 if on_gpu else None)  # null: one per core on the CPU, 1 beside a GPU
+    if threads:
+        torch.set_num_threads(threads)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.module)
     module.hydra_config = resolved  # saved in every checkpoint
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
+    callbacks.append(RunSummary(choices, cfg.paths.output_dir))  # always: what the run does, before its first step
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     # sync_batchnorm: lkcnn's SyncBatchNorm, which (unlike torch.nn.SyncBatchNorm) does not stall the CPU per layer
     plugins = {"plugins": [SyncBatchNormPlugin()]} if cfg.trainer.get("sync_batchnorm") else {}
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir))
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir, module.model)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     # trainer.limit_val_batches=0 (a training-speed run) validates nothing: no metrics, not an error
     results = trainer.validate(module, datamodule=datamodule, ckpt_path=best or None)

@@ -188,19 +188,13 @@ def test_model_mistakes_are_config_errors(tmp_path):
         build_model({"name": "replknet_huge"})
 
 
-def test_ckpt_path_latest_finds_the_newest_last_ckpt(tmp_path):
-    with pytest.raises(PathNotFoundError, match="ckpt_path=latest"):
-        resolve_ckpt_path("latest", str(tmp_path))
-    runs = [tmp_path / "2026-01-01" / f"10-00-0{i}" / "checkpoints" for i in range(3)]
-    newest = random.choice(runs)
-    for i, run in enumerate(runs):
-        run.mkdir(parents=True)
-        (run / "last.ckpt").write_bytes(b"")
-        os.utime(run / "last.ckpt", (0, 1000 if run == newest else i))
-    assert resolve_ckpt_path("latest", str(tmp_path)) == str(newest / "last.ckpt")
-    assert resolve_ckpt_path(None, str(tmp_path)) is None
+def test_ckpt_path_without_a_checkpoint_says_what_to_pass(tmp_path):
+    model = torch.nn.Linear(1, 1)  # the checks below fail before any checkpoint is compared with the model
+    with pytest.raises(PathNotFoundError, match="ckpt_path=latest found no checkpoints"):
+        resolve_ckpt_path("latest", str(tmp_path), model)
+    assert resolve_ckpt_path(None, str(tmp_path), model) is None
     with pytest.raises(PathNotFoundError, match="is not a file"):
-        resolve_ckpt_path(str(tmp_path / "missing.ckpt"), str(tmp_path))
+        resolve_ckpt_path(str(tmp_path / "missing.ckpt"), str(tmp_path), model)
 
 
 def test_training_waits_for_the_device_only_at_logging_steps(tmp_path, monkeypatch):

@@ -31,10 +31,15 @@ def user_error_message(err: BaseException) -> str | None:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
+    from lkcnn.checkpoint import CheckpointError
+
     cause: BaseException | None = err
     while cause is not None:
-        if isinstance(cause, UserError):
+        if isinstance(cause, (UserError, CheckpointError)):
             return str(cause)
+        if type(cause).__module__.startswith("wandb") and type(cause).__name__ == "UsageError":
+            return (f"W&B: {cause} Or log offline, lkcnn's default: unset WANDB_MODE or pass "
+                    "logger.wandb.mode=offline")
         if isinstance(cause, MisconfigurationException):  # Lightning's: a Trainer setting that cannot work here
             hint = (" This machine has no usable GPU: add trainer.accelerator=cpu (with trainer=ddp, also "
                     "trainer.devices=2 or more for DDP over gloo).") if "gpu backend" in str(cause).lower() else ""

@@ -1,0 +1,128 @@
+"""What a new user meets: the run's summary block, Lightning's lines printed once, one line for every user error
+(exit code non-zero, no traceback), and `ckpt_path=latest` that only resumes a run of the configured model."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lkcnn.training import ConfigError, resolve_ckpt_path
+from lkcnn.training.errors import exit_on_user_error
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
+train_app = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_app)
+
+TINY = ["model=replknet_tiny", "+model.channels=[8,8,16,16]", "+model.depths=[1,1,1,1]", "data=synthetic",
+        "data.num_classes=4", "data.img_size=32", "data.num_train=8", "data.num_val=4", "data.batch_size=4",
+        "data.num_workers=0", "trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.num_sanity_val_steps=0",
+        "callbacks.progress_bar.refresh_rate=0", "cpu_threads=1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_cfg(run_dir: Path, runs_dir: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=[f"paths.output_dir={run_dir}", f"paths.runs_dir={runs_dir}", *TINY,
+                                           *overrides])
+
+
+def user_error(cfg: DictConfig) -> str:
+    """The message train.py exits with for this config (it must be a user error, not a traceback)."""
+    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+        train_app.train(cfg)
+    message = str(exited.value.code)
+    assert message.startswith("Error: ") and "\n" not in message, message
+    return message
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *TINY, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})})
+
+
+def test_summary_block_before_the_first_step(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    cfg = make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=2", "module.ema=null")
+    train_app.train(cfg)
+    block = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("lkcnn run:"))
+    rows = dict(line.strip().split(None, 1) for line in block.splitlines()[1:])
+    params = sum(p.numel() for p in instantiate(cfg.module).model.parameters())
+    assert rows["model"].startswith(f"replknet_tiny ({params / 1e3:.1f} K parameters, kernels 31,29,27,13 on 8,4,2,1")
+    assert rows["data"] == "SyntheticDataModule: 4 classes, 32 px, 8 train / 4 val images, batch 4"
+    assert rows["device"] == "cpu, precision 32-true"
+    assert rows["threads"] == "1 CPU threads, 0 loader workers"
+    assert rows["steps"] == "2" and rows["output"] == str(tmp_path / "run")
+
+
+def test_cli_prints_lightning_lines_once_without_advertisements(tmp_path):
+    result = run_cli(f"hydra.run.dir={tmp_path}", "trainer.fast_dev_run=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = result.stdout + result.stderr
+    assert printed.count("Seed set to 0") == 1, printed
+    assert printed.count("lkcnn run:") == 1 and "Tip:" not in printed and "LeafSpec" not in printed
+    assert "Seed set to 0" in (tmp_path / "train.log").read_text()  # the log file keeps the details
+
+
+def test_bad_checkpoint_files_are_one_line_errors(tmp_path):
+    good = tmp_path / "a"
+    train_app.train(make_cfg(good, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0"))
+    last = good / "checkpoints" / "last.ckpt"
+    truncated, noise = tmp_path / "truncated.ckpt", tmp_path / "noise.ckpt"
+    truncated.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    noise.write_bytes(os.urandom(4096))
+    for path in (truncated, noise):
+        message = user_error(make_cfg(tmp_path / "b", tmp_path, f"ckpt_path={path}"))
+        assert str(path) in message and ("truncated or corrupt" in message or "not a readable" in message), message
+    other = user_error(make_cfg(tmp_path / "c", tmp_path, f"ckpt_path={last}", "model.kernel_sizes=[13,13,13,13]"))
+    assert "kernel_sizes=default (this run: [13, 13, 13, 13])" in other
+
+
+def test_cli_mismatched_checkpoint_exits_with_one_line(tmp_path):
+    first = run_cli(f"hydra.run.dir={tmp_path / 'a'}", "trainer.max_steps=1", "trainer.limit_val_batches=0")
+    assert first.returncode == 0, first.stderr[-2000:]
+    result = run_cli(f"hydra.run.dir={tmp_path / 'b'}", "model.kernel_sizes=[13,13,13,13]",
+                     f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: ckpt_path=")
+
+
+def test_wandb_online_without_a_key_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))  # no ~/.netrc or settings of this machine's user
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    message = user_error(make_cfg(tmp_path / "run", tmp_path, "logger=wandb", "trainer.max_steps=1"))
+    assert "W&B" in message and "logger.wandb.mode=offline" in message
+
+
+def test_latest_resumes_only_a_run_of_this_model(tmp_path):
+    """Runs with other kernel sizes: `latest` takes the newest run of this model, skipping the newer one of another
+    model, and says which runs it found when none fits."""
+    runs = {}
+    for name, kernels in (("k31_old", "[31,29,27,13]"), ("k31", "[31,29,27,13]"), ("k13", "[13,13,13,13]")):
+        cfg = make_cfg(tmp_path / name, tmp_path, f"model.kernel_sizes={kernels}", "trainer.max_steps=1",
+                       "trainer.limit_val_batches=0")
+        train_app.train(cfg)
+        runs[name] = cfg
+    model = instantiate(runs["k31"].module).model
+    assert resolve_ckpt_path("latest", str(tmp_path), model) == str(tmp_path / "k31" / "checkpoints" / "last.ckpt")
+    other = instantiate(make_cfg(tmp_path / "x", tmp_path, "model.kernel_sizes=[7,7,7,7]").module).model
+    with pytest.raises(ConfigError, match=r"found 3 run\(s\).*none of this model.*kernel_sizes") as err:
+        resolve_ckpt_path("latest", str(tmp_path), other)
+    assert str(tmp_path / "k31") in str(err.value) and str(tmp_path / "k13") in str(err.value)
