@@ -1,11 +1,13 @@
 """Data tests: the digits default, class-folder datasets (with and without val/), corrupt files, a missing root,
-mixup / label smoothing, synthetic tensors and the epoch-seeded sampler."""
+mixup / label smoothing, synthetic tensors, the epoch-seeded sampler, batch-size and worker-count settings.
+(Real JPEGs through the ImageNet recipe: test_imagenet_pipeline.py.)"""
 from __future__ import annotations
 
 import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +25,7 @@ from lkcnn.training import (
     ImageFolderDataModule,
     PathNotFoundError,
     SyntheticDataModule,
+    user_error_message,
 )
 from lkcnn.training.seeding import EpochShuffleSampler
 from lkcnn.training.sources import carve_validation
@@ -207,3 +210,41 @@ def test_train_loader_takes_its_epoch_at_the_first_batch_not_at_iter():
     loader.sampler.set_epoch(7)
     targets = torch.cat([t for _, t, _ in iterator])
     assert targets.tolist() == [i % 5 for i in loader.sampler]  # epoch 7's order
+
+
+def compose_data(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides)).data
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_a_batch_size_below_one_is_a_one_line_config_error(batch_size):
+    cfg = compose_data("data=synthetic", f"data.batch_size={batch_size}")
+    with pytest.raises(Exception) as info:
+        instantiate(cfg)  # Hydra wraps the constructor's error: train.py prints user_error_message's line
+    message = user_error_message(info.value)
+    assert message == (f"data.batch_size={batch_size} must be a positive number of images per device: "
+                       "set e.g. data.batch_size=64")
+    with pytest.raises(ConfigError, match="data.num_workers=-2 must be 0 or more"):
+        SyntheticDataModule(num_classes=3, img_size=8, batch_size=2, num_workers=-2)
+
+
+@pytest.mark.parametrize("data", ["imagefolder", "imagenet"])
+def test_default_workers_fit_the_cores(tmp_path, monkeypatch, data):
+    rng = np.random.default_rng()
+    write_images(tmp_path / "train", {"a": 4, "b": 4}, rng)
+    write_images(tmp_path / "val", {"a": 2, "b": 2}, rng)
+    cfg = compose_data(f"data={data}", f"data.root={tmp_path}", "data.num_classes=2", "data.batch_size=2",
+                       "data.img_size=16")
+    assert cfg.num_workers is None  # the shipped default: sized to the machine
+    cores = len(os.sched_getaffinity(0))
+    dm = instantiate(cfg)
+    dm.setup("fit")
+    assert dm.num_workers == min(8, cores)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a loader asks for more workers than there are cores
+        dm.train_dataloader().check_worker_number_rationality()
+    for usable, expected in ((int(rng.integers(1, 8)), None), (int(rng.integers(9, 256)), 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=usable: set(range(n)))
+        assert instantiate(cfg).num_workers == (expected or usable)
+    assert instantiate(cfg, num_workers=3).num_workers == 3  # an explicit count is kept

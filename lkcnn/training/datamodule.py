@@ -7,6 +7,7 @@ Batches are (images, targets); in training the targets become soft (mixup/cutmix
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from timm.data import Mixup, create_transform
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader, Dataset
 
+from . import augment  # noqa: F401 - registers the RandAugment ops that work with every Pillow (posterize)
 from .datasets import CorruptImage, Transform, collate_skipping_corrupt
 from .errors import ConfigError, CorruptImageError
 from .seeding import DeferredStartDataLoader, EpochShuffleSampler
@@ -23,6 +25,17 @@ from .seeding import DeferredStartDataLoader, EpochShuffleSampler
 log = logging.getLogger(__name__)
 
 ON_CORRUPT = ("skip", "error")
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_num_workers() -> int:
+    """Loader workers when data.num_workers is null: one per core this process may use, at most 8.
+
+    More workers than cores only share them (and torch warns); the cores are those of the process's CPU affinity
+    (taskset, a container's cpuset), as torch's own check counts them.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_DEFAULT_WORKERS, cores)
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -32,35 +45,44 @@ class ImageDataModule(L.LightningDataModule):
         num_classes: classes in the dataset (the model config reads it as ${data.num_classes}).
         img_size: square input resolution fed to the model.
         batch_size: per-device batch size (total = batch_size * devices * accumulate_grad_batches).
-        num_workers, pin_memory: DataLoader settings (pinning only happens when CUDA is present).
+        num_workers: DataLoader worker processes; None: `default_num_workers()` (one per core, at most 8).
+        pin_memory: pin batches in page-locked memory (only happens when CUDA is present).
         transform: keyword arguments for timm.data.create_transform (training and eval use the same dict;
             timm ignores the training-only keys for eval).
         mixup: keyword arguments for timm.data.Mixup (mixup_alpha, cutmix_alpha, prob, ...), or None.
         label_smoothing: applied to the training targets (inside Mixup when mixup is on).
-        on_corrupt: "skip" drops undecodable images and counts them in a warning; "error" stops at the first.
+        on_corrupt: "skip" drops undecodable images and counts each file once in a warning; "error" stops at the
+            first.
         seed: shuffling and worker seeds derive from (seed, epoch); see lkcnn.training.seeding.
     """
 
-    def __init__(self, num_classes: int, img_size: int, batch_size: int, num_workers: int = 0,
+    def __init__(self, num_classes: int, img_size: int, batch_size: int, num_workers: int | None = 0,
                  pin_memory: bool = True, transform: Mapping[str, Any] | None = None,
                  mixup: Mapping[str, Any] | None = None, label_smoothing: float = 0.0, on_corrupt: str = "skip",
                  seed: int = 0) -> None:
         super().__init__()
         if on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"data.on_corrupt={on_corrupt!r} must be one of {', '.join(ON_CORRUPT)}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"data.batch_size={batch_size} must be a positive number of images per device: "
+                              "set e.g. data.batch_size=64")
+        if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
+                                        or num_workers < 0):
+            raise ConfigError(f"data.num_workers={num_workers} must be 0 or more (0 loads in the training "
+                              "process), or null for one per core: set e.g. data.num_workers=null")
         if mixup and batch_size % 2:
             raise ConfigError(f"mixup/cutmix needs an even batch, got data.batch_size={batch_size}")
         self.num_classes = num_classes
         self.img_size = img_size
         self.batch_size = batch_size
-        self.num_workers = num_workers
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
         self.pin_memory = pin_memory
         self.transform = dict(transform or {})
         self.label_smoothing = label_smoothing
         self.on_corrupt = on_corrupt
         self.seed = seed
         self.mixup = Mixup(num_classes=num_classes, label_smoothing=label_smoothing, **mixup) if mixup else None
-        self.num_corrupt = 0
+        self.corrupt_paths: set[str] = set()  # each file counted once, however many epochs skip it
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -101,15 +123,24 @@ class ImageDataModule(L.LightningDataModule):
                                     f"({corrupt[0].error}): check the dataset files")
         return images, targets
 
+    @property
+    def num_corrupt(self) -> int:
+        """Distinct files skipped as corrupt so far in this run (this process)."""
+        return len(self.corrupt_paths)
+
     def _report_corrupt(self, corrupt: list[CorruptImage]) -> None:
         first = corrupt[0]
         if self.on_corrupt == "error":
             raise CorruptImageError(f"cannot decode {first.path} ({first.error}). Remove or replace the file, "
                                     "or set data.on_corrupt=skip to skip such images with a warning")
-        self.num_corrupt += len(corrupt)
+        new = {c.path: c for c in corrupt if c.path not in self.corrupt_paths}
+        if not new:  # reported when an earlier epoch met them: skipped again, silently
+            return
+        self.corrupt_paths.update(new)
+        example = next(iter(new.values()))
         log.warning("skipped %d corrupt image(s), %d so far in this run (e.g. %s: %s); "
-                    "set data.on_corrupt=error to stop instead", len(corrupt), self.num_corrupt,
-                    first.path, first.error)
+                    "set data.on_corrupt=error to stop instead", len(new), self.num_corrupt,
+                    example.path, example.error)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Training batches get soft targets: mixup/cutmix (on the device) and label smoothing."""

@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import Dataset, default_collate
-from torchvision.datasets.folder import default_loader
 
 Transform = Callable[[Image.Image], torch.Tensor]
 
@@ -27,8 +26,20 @@ class CorruptImage:
     error: str
 
 
+def load_rgb(path: str) -> Image.Image:
+    """Decode a file fully as RGB, turned upright by its EXIF orientation tag (as a viewer shows it).
+
+    Whatever the format inside (a PNG named .JPEG is fine), CMYK and grayscale become RGB; a truncated file fails
+    here, in `load`, not later in a transform.
+    """
+    with Image.open(path) as image:
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)
+        return image.convert("RGB")
+
+
 class ImageFiles(Dataset):
-    """(path, class index) pairs decoded with PIL (or accimage, torchvision's default loader) and transformed."""
+    """(path, class index) pairs decoded with PIL (`load_rgb`) and transformed."""
 
     def __init__(self, samples: Sequence[tuple[str, int]], transform: Transform) -> None:
         self.samples = list(samples)
@@ -40,8 +51,8 @@ class ImageFiles(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int] | CorruptImage:
         path, target = self.samples[index]
         try:
-            image = default_loader(path)  # decodes fully (convert("RGB")), so truncation shows up here
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:  # what PIL raises
+            image = load_rgb(path)
+        except Exception as err:  # only PIL decodes here: whatever it raises (OSError, SyntaxError...) is the file's
             return CorruptImage(path, f"{type(err).__name__}: {err}")
         return self.transform(image), target
 
