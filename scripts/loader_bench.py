@@ -72,7 +72,7 @@ def main() -> None:
           f"{seconds / args.batches * 1e3:.1f} ms per batch of {datamodule.batch_size} "
           f"({workers} workers, {args.batches} batches after {args.warmup})")
     per_core = rate / loading_cores(workers)
-    print(f"cores needed per GPU at {args.train_rate:g} images/s: {args.train_rate / per_core:.1f} "
+    print(f"cores needed per GPU at {args.train_rate:g} images/s: {args.train_rate / per_core:.2f} "
           f"({per_core:.1f} images/s per loading core; plus one for the training process)")
 
 

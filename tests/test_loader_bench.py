@@ -1,10 +1,14 @@
-"""scripts/loader_bench.py on the CPU: it times train.py's own training loader and says when the data is too small."""
+"""scripts/loader_bench.py on the CPU: it times train.py's own training loader, sizes the loader for a training rate
+and says when the data is too small."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data=synthetic", "data.num_classes=10", "data.img_size=16", "data.batch_size=8", "data.num_workers=0"]
@@ -15,8 +19,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, check=False)
 
 
-def test_times_the_training_loader():
-    result = _run("--batches", "3", "--warmup", "1", *TINY, "data.num_train=40")
+def test_times_the_training_loader_and_sizes_it_for_a_training_rate():
+    train_rate = float(np.random.default_rng().integers(500, 5000))
+    result = _run("--batches", "3", "--warmup", "1", "--train-rate", f"{train_rate:g}", *TINY, "data.num_train=40")
     assert result.returncode == 0, result.stderr[-2000:]
     line = re.search(r"SyntheticDataModule: ([\d.]+) images/s, ([\d.]+) ms per batch of 8 \(0 workers, 3 batches "
                      r"after 1\)", result.stdout)
@@ -24,6 +29,28 @@ def test_times_the_training_loader():
     images_per_s, ms_per_batch = float(line[1]), float(line[2])
     # the two figures agree on 8 images a batch, up to the rounding of the printed ms (0.05 ms)
     assert images_per_s > 0 and abs(images_per_s * ms_per_batch / 1e3 - 8) <= images_per_s * 0.05e-3 + 0.01
+    cores = re.search(rf"cores needed per GPU at {train_rate:g} images/s: ([\d.]+) \(([\d.]+) images/s per loading "
+                      r"core; plus one for the training process\)", result.stdout)
+    assert cores, result.stdout
+    needed, per_core = float(cores[1]), float(cores[2])
+    # with 0 workers the main process is the one loading core; needed x per-core rate is the training rate
+    assert per_core == float(line[1])
+    assert abs(needed * per_core - train_rate) <= 0.005 * per_core + 0.05 * needed + 1e-6
+
+
+def test_a_worker_count_is_resolved_before_it_is_printed():
+    result = _run("--batches", "2", "--warmup", "1", *TINY[:-1], "data.num_workers=null", "data.num_train=40")
+    assert result.returncode == 0, result.stderr[-2000:]
+    workers = int(re.search(r"\((\d+) workers", result.stdout)[1])
+    assert 1 <= workers <= min(8, len(os.sched_getaffinity(0)))
+    per_core = float(re.search(r"\(([\d.]+) images/s per loading core", result.stdout)[1])
+    images_per_s = float(re.search(r": ([\d.]+) images/s,", result.stdout)[1])
+    assert abs(per_core * workers - images_per_s) <= 0.05 * workers + 0.05  # all workers fit on the cores
+
+
+def test_a_training_rate_must_be_positive():
+    result = _run("--train-rate", "0", *TINY)
+    assert result.returncode != 0 and "--train-rate must be a positive number" in result.stderr
 
 
 def test_too_few_batches_is_one_clear_error():
