@@ -119,7 +119,7 @@ inline int tc_ld(int cols) {
 
 // Staging of the tiles: the kernels get NCHW-contiguous tensors (bindings.cpp copies other layouts), so a staging
 // access moves V elements of a row (16 bytes for V = 8), with its index arithmetic once per access. Copying element
-// by element spent most of the weight gradient's instructions on index arithmetic (docs/performance.md v9, v24).
+// by element spent most of the weight gradient's instructions on index arithmetic (docs/kernels.md).
 
 // d[0 .. V) = s[0 .. V) in one access of 2V bytes (both aligned to it).
 template <int V, typename T>

@@ -166,7 +166,7 @@ void launch_dwconv_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const ConvGeom g = make_geom(x, y, w.size(1), w.size(2), ph, pw);
   if (g.N * g.C == 0 || g.H == 0 || g.W == 0) return;
   // U = 2 rows per thread: U = 4 needed twice the shared memory per thread and held occupancy to 8 warps per SM
-  // (docs/performance.md, v3). V = 4 for maps narrower than 8.
+  // (docs/kernels.md, tiled SIMT kernels). V = 4 for maps narrower than 8.
   TORCH_CHECK(x.scalar_type() == at::kFloat, "lkcnn dwconv2d: the SIMT forward kernel takes fp32 (fp16/bf16 run on "
               "tensor cores)");
   if (g.W >= 8) run_fwd<float, 2, 8>(x, w, bias, y, g);

@@ -38,7 +38,7 @@ __device__ __forceinline__ int slot(int r) { return (r + kReach) % kRowsIn; }
 // Stage rows r0 .. r0 + rows of samples n0 .. n0 + 8 of channel c into their slots (column col at col + 15; zeros past
 // the map and the batch). Warp w takes sample w, its lanes a row's float4 groups (or columns lane and lane + 32),
 // eight rows in flight per lane. (One (sample, row) pair per warp at a time with its index arithmetic spent ~100
-// instructions per staged row, 23% of the kernel's instructions: docs/performance.md v30.)
+// instructions per staged row, 23% of the kernel's instructions: docs/kernels.md.)
 __device__ __forceinline__ void stage_rows(float* __restrict__ sx, const float* __restrict__ x, int64_t n0, int64_t c,
                                            int r0, int rows, const ConvGeom& g, bool vec) {
   static_assert(kSamples == kWarps, "one warp per staged sample");

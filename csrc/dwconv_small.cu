@@ -55,7 +55,7 @@ __host__ __device__ constexpr int sample_stride(int rows, int LD) { return 4 * (
 // f(r, col) for every map position (r < rows, col < LD), shared among the block's threads. Staging and storing take
 // a position per thread and walk the block's samples there, so a position's index arithmetic is done once, not once
 // per element: the generic box loop (tile.cuh) spent ~58 instructions per element, 40% of the forward's
-// instructions at 14x14 (Nsight Compute, docs/performance.md v15).
+// instructions at 14x14 (Nsight Compute; docs/kernels.md).
 template <int LD, typename F>
 __device__ __forceinline__ void for_positions(int rows, F f) {
   for (int i = threadIdx.x; i < rows * LD; i += blockDim.x) f(i / LD, i % LD);

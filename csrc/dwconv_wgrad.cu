@@ -24,7 +24,7 @@ namespace {
 
 constexpr int kU = 4, kV = 8;
 // Shared memory per slot, before an item falls back to fewer dy rows; 16 KB (more blocks per SM) measured slower
-// (docs/performance.md, v3).
+// (docs/kernels.md, tiled SIMT kernels).
 constexpr int kSlotBytes = 24 * 1024;
 constexpr int kMaxSmem = 96 * 1024;
 

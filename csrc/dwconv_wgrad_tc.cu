@@ -179,7 +179,7 @@ WgradTcTile plan_wgrad_tc(const ConvGeom& g, int NB, int num_sms) {
   t.part_floats = 16 * t.MT * 8 * NB;
   // Eight warps per block: up to 8 / MT slots of MT warps each (fewest rounds and barriers per item), unless those
   // slots would leave fewer than 3 blocks per SM; then two slots whose items are split among PS = 4 / MT warps each
-  // (more warps per SM for the same shared memory). Measured both ways: docs/performance.md, v9 and v10.
+  // (more warps per SM for the same shared memory). Measured both ways: docs/kernels.md.
   auto slot_of = [&](int ps) { return (std::max(bytes(t.PH), ps * t.part_floats * 4) + 15) / 16 * 16; };
   t.PS = 1;
   t.slot_bytes = slot_of(1);

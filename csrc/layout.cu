@@ -1,6 +1,6 @@
 // NCHW <-> channels_last copies for the kernels that stage one channel per block (tensor-core and whole-map kernels).
 // In channels_last every element such a kernel reads or writes is a 32-byte sector of its own, which made those
-// passes 1.6-2.2x slower than in NCHW (docs/performance.md v16). PyTorch's copy for this permutation ran at ~1 TB/s
+// passes 1.6-2.2x slower than in NCHW (docs/kernels.md, layout copies). PyTorch's copy for this permutation ran at ~1 TB/s
 // on the H100 (two copies of an s3 fp32 tensor took ~100 us, v16), so lkcnn transposes through shared memory tiles.
 #include "dwconv.h"
 
@@ -23,7 +23,7 @@ struct alignas(sizeof(T) * V) Vec {
 // dst[b][s][r] = src[b][r][s] for B matrices of R x S elements; blockIdx.x picks the tile, blockIdx.y the matrix
 // (striding by gridDim.y past 65535 matrices). Each thread moves V consecutive elements per access: V = 2 (R and S
 // even) halves the memory instructions and doubles the tile, whose 2,048-byte tiles of 16-bit elements ran at ~1.5
-// TB/s with V = 1 (docs/performance.md v18, v22).
+// TB/s with V = 1 (docs/kernels.md, layout copies).
 template <typename T, int V>
 __global__ void __launch_bounds__(kTile * kRows) transpose_kernel(const T* __restrict__ src, T* __restrict__ dst,
                                                                   int64_t B, int64_t R, int64_t S) {

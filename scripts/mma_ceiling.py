@@ -1,5 +1,5 @@
 """The ceiling of mma.sync.m16n8k16 (bf16 in, fp32 accumulate) on this GPU: the rate the tensor-core kernels'
-instruction can reach at all, to compare their measured mma rate with (docs/performance.md, v26).
+instruction can reach at all, to compare their measured mma rate with (docs/kernels.md, banded tensor-core kernels).
 
 Each warp runs a long loop of independent mma.sync on register operands (no memory traffic), with CHAINS
 independent accumulators per warp, for several warps per SM; the best rate over the configurations is the ceiling.

@@ -26,7 +26,7 @@ def build_model(spec: Mapping[str, Any], conv_impl: str = "auto") -> nn.Module:
     if conv_impl not in CONV_IMPLS:
         raise ConfigError(f"conv_impl={conv_impl!r} is not one of {', '.join(CONV_IMPLS)}")
     # The op reads the variable when it runs, so setting it before building covers the whole run. A value the user
-    # exported is replaced by the config's, so say so (session 6 timed lkcnn for PyTorch's convolution this way).
+    # exported is replaced by the config's, so say so (a stale export once made a benchmark time PyTorch's convolution as lkcnn's).
     global _exported
     user = os.environ.get("LKCNN_CONV_IMPL")
     if user is not None and user != _exported and user.strip().lower() != conv_impl:
