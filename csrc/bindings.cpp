@@ -59,7 +59,7 @@ Path path_for(const at::Tensor& x, int64_t kh, int64_t kw, bool forward) {
 
 // Whether x's pass runs on kernels that stage one channel of several samples per block (all but the fp32 tiled
 // ones): those get NCHW copies of channels_last and strided tensors, whose every element would otherwise be a
-// 32-byte sector of its own (1.6-2.2x slower passes, docs/performance.md v16). The fp32 SIMT kernels stage tiles of
+// 32-byte sector of its own (1.6-2.2x slower passes, docs/kernels.md). The fp32 SIMT kernels stage tiles of
 // one sample's map and measured the same in both layouts, so they read any strides directly.
 bool stages_by_channel(const at::Tensor& x, Path path) { return path != Path::tiled || x.scalar_type() != at::kFloat; }
 
@@ -175,11 +175,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes of the symmetric-memory workspace each of `world` ranks allocates for the exchanges", py::arg("world"));
   m.def("exchange_max_values", &lkcnn::exchange_max_values, "the most values exchange_sum takes");
   m.def("exchange_max_channels", &lkcnn::exchange_max_channels, "the most channels exchange_batch_norm_stats takes");
-  m.def("exchange_sum", &lkcnn::exchange_sum, "out = the sum over the ranks of input, through the workspaces `peers`",
-        py::arg("input"), py::arg("out"), py::arg("peers"), py::arg("rank"));
+  m.def("exchange_status_word", &lkcnn::exchange_status_word,
+        "a one-word int64 CPU tensor in mapped host memory, 0, where the exchanges record their first failure");
+  // without the GIL: a launch can block on a full queue behind a waiting exchange, and the host's watchdog thread
+  // (lkcnn/training/sync_batchnorm.py) must still run
+  m.def("exchange_sum", &lkcnn::exchange_sum, "out = the sum over the ranks of input, through the workspaces `peers`; "
+        "each wait gives up after timeout_s, recording the failure in the word at `status`", py::arg("input"),
+        py::arg("out"), py::arg("peers"), py::arg("rank"), py::arg("status"), py::arg("timeout_s"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("exchange_batch_norm_stats", &lkcnn::exchange_batch_norm_stats,
-        "the ranks' batch statistics combined (mean_out, invstd_out) and the running statistics updated",
-        py::arg("mean"), py::arg("var"), py::arg("running_mean"), py::arg("running_var"), py::arg("mean_out"),
-        py::arg("invstd_out"), py::arg("momentum"), py::arg("eps"), py::arg("count"), py::arg("peers"),
-        py::arg("rank"));
+        "the ranks' batch statistics combined (mean_out, invstd_out) and the running statistics updated; failures "
+        "as exchange_sum's", py::arg("mean"), py::arg("var"), py::arg("running_mean"), py::arg("running_var"),
+        py::arg("mean_out"), py::arg("invstd_out"), py::arg("momentum"), py::arg("eps"), py::arg("count"),
+        py::arg("peers"), py::arg("rank"), py::arg("status"), py::arg("timeout_s"),
+        py::call_guard<py::gil_scoped_release>());
 }
