@@ -120,7 +120,8 @@ def _fake_group_with_exchange(monkeypatch, max_channels: int | None = 16384):
 
     if max_channels is not None:
         monkeypatch.setitem(sync_batchnorm._exchanges, "0",
-                            sync_batchnorm._Exchange(torch.empty(0), [0, 0], 0, max_channels, 32768))
+                            sync_batchnorm._Exchange(torch.empty(0), [0, 0], 0, max_channels, 32768,
+                                                     torch.zeros(1, dtype=torch.int64), 60.0))
     return SimpleNamespace(group_name="0", size=lambda: 2, rank=lambda: 0)
 
 
@@ -294,7 +295,8 @@ def _nvlink_setup_rank(rank: int, folder: str) -> None:
         return torch.zeros(4)
 
     symm_mem.empty = empty
-    sync_batchnorm.build.load = lambda: SimpleNamespace(exchange_workspace_bytes=lambda world: 4)  # (no GPU here)
+    sync_batchnorm.build.load = lambda: SimpleNamespace(  # (no GPU here)
+        exchange_workspace_bytes=lambda world: 4, exchange_status_word=lambda: torch.zeros(1, dtype=torch.int64))
     torch.cuda.current_device, torch.cuda.synchronize = (lambda: 0), (lambda: None)
     symm_mem.rendezvous = lambda *args: (Path(folder) / f"rendezvous{rank}").touch()  # would wait for rank 1
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
@@ -317,43 +319,6 @@ def test_nvlink_setup_fails_on_every_rank_when_one_rank_fails(tmp_path):
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "rank 1: CUDA out of memory"
     assert not list(tmp_path.glob("rendezvous*"))
-
-
-@pytest.mark.parametrize("compile,world_size,num_nodes,device,fails,expected", [
-    (True, 2, 1, "cuda", False, "nvlink"), (True, 2, 1, "cuda", True, "warning"), (False, 2, 1, "cuda", False, None),
-    (True, 1, 1, "cuda", False, None), (True, 4, 2, "cuda", False, None), (True, 2, 1, "cpu", False, None)],
-    ids=["compiled-2-gpus", "cannot-set-up", "eager", "one-gpu", "two-machines", "cpu"])
-def test_nvlink_exchange_is_set_up_for_compiled_ddp_on_one_machine(monkeypatch, compile, world_size, num_nodes,
-                                                                     device, fails, expected):
-    """Only a compiled run on several GPUs of one machine moves SyncBatchNorm's exchanges to NVLink; where
-    it cannot be set up, the run warns and stays on NCCL."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    import lkcnn.training.module as module_file
-
-    groups = []
-
-    def enable(group):
-        if fails:
-            raise RuntimeError("no peer access")
-        groups.append(group)
-
-    monkeypatch.setattr(module_file, "enable_nvlink_exchange", enable)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    trainer = SimpleNamespace(world_size=world_size, num_nodes=num_nodes,
-                              strategy=SimpleNamespace(root_device=torch.device(device)))
-    monkeypatch.setattr(ClassificationModule, "trainer", property(lambda self: trainer))
-    model = {"name": "replknet_tiny", "num_classes": 4, "kernel_sizes": [3, 3, 3, 3], "small_kernel": 3}
-    module = ClassificationModule(model, {"optimizer": {"opt": "adamw", "lr": 1e-3}, "scheduler": {"sched": "cosine"}},
-                                  compile=compile)
-    if expected == "warning":
-        with pytest.warns(UserWarning, match="stays on NCCL.*no peer access"):
-            module.setup("fit")
-    else:
-        module.setup("fit")
-    assert groups == ([dist.group.WORLD] if expected == "nvlink" else [])
 
 
 def test_ema_copy_takes_no_gradients():

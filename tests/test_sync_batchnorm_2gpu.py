@@ -4,12 +4,17 @@ Each rank normalizes its half of the batch with the statistics of both halves: t
 the running statistics must be those of BatchNorm over the whole batch, and the weight and bias gradients each
 rank's share of the whole (DDP sums them). The same through lkcnn.training.SyncBatchNorm compiled with
 mode="reduce-overhead" (the collectives captured into CUDA graphs), over three steps, with its exchanges on NCCL and
-on lkcnn's NVLink kernels; and those kernels alone, call after call, against float64. Skips without two GPUs; the
-one-rank cases are in test_sync_batchnorm_gpu.py.
+on lkcnn's NVLink kernels; and those kernels alone, call after call, against float64. And faults in training
+through the NVLink exchange under DDP: a rank killed, a rank raising out-of-memory, a rank skipping one exchange; the
+other rank must end with the clear ExchangeError, within the exchange's limit (plus the watchdog's grace where its
+host blocks in NCCL), never hang. Skips without two GPUs; the one-rank cases are in test_sync_batchnorm_gpu.py.
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -18,14 +23,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch import nn
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
 from lkcnn.ops import build
 from lkcnn.training import sync_batchnorm
 from lkcnn.training.sync_batchnorm import (
+    ExchangeError,
     SyncBatchNorm,
+    check_nvlink_exchange,
     enable_nvlink_exchange,
     sync_batch_norm,
+    traceable_sync_batch_norm,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -139,7 +148,7 @@ def _exchange_rank(rank: int, folder: str) -> None:
     try:
         enable_nvlink_exchange(dist.group.WORLD)
         ext, exchange = build.load(), sync_batchnorm._exchanges[dist.group.WORLD.group_name]
-        peers = (exchange.peers, exchange.rank)
+        peers = (exchange.peers, exchange.rank, exchange.status.data_ptr(), exchange.timeout_s)
         gen = torch.Generator().manual_seed(torch.load(Path(folder) / "inputs.pt")["seed"])
         max_values, max_channels = ext.exchange_max_values(), ext.exchange_max_channels()
         # one and several blocks, partial blocks, the largest sizes; in a shuffled order, three times over, so that
@@ -227,3 +236,101 @@ def test_nvlink_exchange_kernels_match_float64(tmp_path):
     assert len(ranks[0]["outputs"]) == len(ranks[1]["outputs"]) > 0
     for a, b in zip(ranks[0]["outputs"], ranks[1]["outputs"]):  # every rank gets the same numbers, bit for bit
         assert torch.equal(a, b), f"the ranks' results differ (seed={seed})"
+
+
+# The fault tests: the exchange's limit, the watchdog's grace (shortened in the ranks), the step at which rank 1 fails
+LIMIT_S, GRACE_S, FAULT_STEP, STEPS = 3.0, 4.0, 3, 8
+
+
+class _SyncedBN(nn.BatchNorm2d):
+    """BatchNorm2d through the compiled path's ops, run eagerly (no compile time in the test): the exchanges are the
+    NVLink kernels. `skip` makes one forward normalize with local statistics instead, leaving out its exchange."""
+    skip = False
+
+    def forward(self, x):
+        if self.skip:
+            return super().forward(x)
+        return traceable_sync_batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                         self.momentum, dist.group.WORLD)
+
+
+def _fault_rank(rank: int, folder: str, fault: str) -> None:
+    """One DDP rank training a small network whose BatchNorms (16 and 32 channels) exchange over NVLink; rank 1 fails
+    at FAULT_STEP as `fault` says (writing the time first). Rank 0 writes the ExchangeError's message to
+    rank0.error and leaves at once (the NCCL teardown would wait for the dead rank); its stderr goes to rank0.err,
+    where the watchdog writes instead if the host blocks first."""
+    folder = Path(folder)
+    err = os.open(folder / f"rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    sync_batchnorm._WATCHDOG_GRACE_S = GRACE_S
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD,
+                            device_id=device)
+    enable_nvlink_exchange(dist.group.WORLD, LIMIT_S)
+    bn1 = _SyncedBN(16)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), bn1, nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                        _SyncedBN(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4)).to(device)
+    model = nn.parallel.DistributedDataParallel(net, device_ids=[rank], broadcast_buffers=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 3, 12, 12, device=device), torch.randint(0, 4, (8,), device=device)
+    try:
+        for step in range(STEPS):
+            if rank == 1 and step == FAULT_STEP:
+                (folder / "fault_time").write_text(repr(time.time()))
+                if fault == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault == "oom":
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (raised by the test)")
+                bn1.skip = True  # "skip": this step leaves out bn1's exchanges
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            bn1.skip = False
+            check_nvlink_exchange()  # as ClassificationModule.on_train_batch_end does
+        torch.cuda.synchronize()
+        check_nvlink_exchange()
+        (folder / f"rank{rank}.done").touch()
+    except ExchangeError as error:
+        (folder / f"rank{rank}.error").write_text(str(error))
+        os._exit(3)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fault", ["killed", "oom", "skip"])
+def test_the_other_rank_fails_with_the_clear_error_within_the_limit(tmp_path, fault):
+    """Killed or out of memory, rank 1 never sends again: rank 0's exchange gives up after LIMIT_S and rank 0 ends
+    with the error naming rank 1 (raised after its step, or from the watchdog once its host blocks in the DDP
+    all-reduce that waits for rank 1 too). Skipping one exchange, rank 1 makes another one at the same call: both
+    ranks fail at once, long before the limit."""
+    import multiprocessing
+
+    build.load()  # build once here, not in both processes at once
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_fault_rank, args=(r, str(tmp_path), fault)) for r in range(WORLD)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + 300  # the first steps load the extension; the bound that matters is below
+    while processes[0].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended, hung = time.time(), processes[0].is_alive()
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    assert (tmp_path / "fault_time").is_file(), "rank 1 did not reach the fault step"
+    assert not hung, f"rank 0 did not end within 300 s ({fault})"
+    assert processes[0].exitcode != 0 and not (tmp_path / "rank0.done").exists(), "rank 0 trained on"
+    error_file = tmp_path / "rank0.error"
+    message = error_file.read_text() if error_file.exists() else (tmp_path / "rank0.err").read_text()
+    assert "SyncBatchNorm's NVLink exchange" in message and "Set module.sync_bn_exchange=torch" in message, message
+    assert "failed on rank 0: rank 1 " in message, message
+    seconds = ended - float((tmp_path / "fault_time").read_text())
+    if fault == "skip":
+        assert "made another exchange" in message or "gave up on an exchange of its own" in message, message
+        assert seconds < LIMIT_S + GRACE_S, seconds
+    else:
+        assert f"did not answer within {LIMIT_S:g} s" in message, message
+        # rank 0 may begin its wait a little before rank 1's host notes the time; +10: a step, the process's exit
+        assert LIMIT_S - 0.5 <= seconds < LIMIT_S + GRACE_S + 10, seconds

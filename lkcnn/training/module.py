@@ -29,7 +29,12 @@ from .ema import ModelEma
 from .errors import ConfigError
 from .model_factory import build_model
 from .seeding import reseed_globals
-from .sync_batchnorm import enable_nvlink_exchange
+from .sync_batchnorm import (
+    DEFAULT_EXCHANGE_TIMEOUT_S,
+    check_nvlink_exchange,
+    enable_nvlink_exchange,
+    use_nvlink_exchange,
+)
 
 # the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -51,15 +56,27 @@ class ClassificationModule(L.LightningModule):
         compile: torch.compile the network in place: True (default mode) or a torch.compile mode, e.g.
             "reduce-overhead" (its forward and backward replayed as CUDA graphs, which takes the launch cost of
             the eager step off the host).
+        sync_bn_exchange: where SyncBatchNorm's statistics travel when compiled on several GPUs: "torch" (NCCL,
+            default) or "lkcnn" (lkcnn's NVLink kernels, GPUs of one machine; docs/training_multigpu.md).
+        sync_bn_exchange_timeout_s: how long an lkcnn exchange waits for a peer before the run fails with
+            ExchangeError.
 
     `hydra_config` (the resolved run config as a plain dict, set by train.py) goes into every checkpoint.
     """
 
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], conv_impl: str = "auto",
                  ema: Mapping[str, Any] | None = None, seed: int = 0, channels_last: bool = False,
-                 compile: bool | str = False, grad_checkpointing: bool = False) -> None:
+                 compile: bool | str = False, grad_checkpointing: bool = False, sync_bn_exchange: str = "torch",
+                 sync_bn_exchange_timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S) -> None:
         super().__init__()
         self.save_hyperparameters()
+        try:  # the config's mistakes fail here, not after the processes have started
+            use_nvlink_exchange(sync_bn_exchange, compiled=False, world_size=1, num_nodes=1, device_type="cpu")
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        if not (isinstance(sync_bn_exchange_timeout_s, (int, float)) and sync_bn_exchange_timeout_s > 0):
+            raise ConfigError(f"module.sync_bn_exchange_timeout_s={sync_bn_exchange_timeout_s!r}: use a positive "
+                              "number of seconds")
         self.hydra_config: dict[str, Any] | None = None
         self.model = build_model(model, conv_impl)
         if grad_checkpointing:
@@ -95,18 +112,27 @@ class ClassificationModule(L.LightningModule):
         return self.model(images.contiguous(memory_format=self.memory_format))
 
     def setup(self, stage: str) -> None:
-        # Compiled on several GPUs of one machine, SyncBatchNorm's exchanges (two per layer, on the critical path of
-        # the step) go through lkcnn's NVLink kernels instead of NCCL (lkcnn.training.sync_batchnorm).
-        trainer = self.trainer
-        if not (self.hparams.compile and trainer.world_size > 1 and trainer.num_nodes == 1
-                and trainer.strategy.root_device.type == "cuda" and dist.is_initialized()):
+        # With module.sync_bn_exchange=lkcnn, compiled on several GPUs of one machine, SyncBatchNorm's exchanges (two
+        # per layer, on the critical path of the step) go through lkcnn's NVLink kernels instead of NCCL
+        # (lkcnn.training.sync_batchnorm); by default, and on several machines, they stay on NCCL.
+        trainer, hp = self.trainer, self.hparams
+        wanted, why_not = use_nvlink_exchange(hp.sync_bn_exchange, compiled=bool(hp.compile),
+                                              world_size=trainer.world_size, num_nodes=trainer.num_nodes,
+                                              device_type=trainer.strategy.root_device.type)
+        if not (wanted and dist.is_initialized()):
+            if why_not:
+                rank_zero_warn(f"module.sync_bn_exchange=lkcnn: SyncBatchNorm stays on NCCL: {why_not}")
             return
         try:
-            enable_nvlink_exchange(dist.group.WORLD)
+            enable_nvlink_exchange(dist.group.WORLD, hp.sync_bn_exchange_timeout_s)
         except RuntimeError as err:  # e.g. GPUs without peer access: NCCL still works
             rank_zero_warn(f"SyncBatchNorm stays on NCCL: the NVLink exchange cannot be set up ({err})")
         else:
-            rank_zero_info("SyncBatchNorm exchanges statistics over NVLink (symmetric memory)")
+            rank_zero_info("SyncBatchNorm exchanges statistics over NVLink (symmetric memory), each wait bounded by "
+                           f"{hp.sync_bn_exchange_timeout_s:g} s")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        check_nvlink_exchange()  # raises ExchangeError once an NVLink exchange has failed (no GPU synchronization)
 
     def teardown(self, stage: str) -> None:
         # With module.compile=reduce-overhead on several GPUs the step's CUDA graphs hold SyncBatchNorm's

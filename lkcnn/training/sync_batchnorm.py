@@ -14,15 +14,20 @@ the forward and one all-reduce of the gradient's sums in the backward, which is 
 is (autograd through var_mean made seven reductions of the gradient, against two). The exchanges are torch.library
 ops, so that dynamo keeps them in the graph whichever path they take. With `mode="reduce-overhead"` the whole step,
 collectives included, is replayed as CUDA graphs, so a DDP step needs no host time per layer. The exchanges go
-through NCCL, or, once `enable_nvlink_exchange` has set up symmetric memory on the GPUs of one machine, through
-lkcnn's own kernels (csrc/sync_exchange.cu): one kernel per exchange that pushes the values to the other GPUs over
-NVLink and, in the forward, also combines the statistics and updates the running ones. Per 8 KB in a CUDA graph on
-2x H200 that takes 2.7 us, against NCCL's 16-18 us and symmetric memory's one-shot all-reduce's 6.4 us plus the
-kernels around it (scripts/allreduce_bw.py, docs/performance.md session 12); a step makes two per BatchNorm.
+through NCCL, or, where the config asks for it (`module.sync_bn_exchange=lkcnn`) and `enable_nvlink_exchange` has set
+up symmetric memory on the GPUs of one machine, through lkcnn's own kernels (csrc/sync_exchange.cu): one kernel per
+exchange that pushes the values to the other GPUs over NVLink and, in the forward, also combines the statistics and
+updates the running ones. Per 8 KB in a CUDA graph on 2x H200 that takes 2.7 us, against NCCL's 16-18 us and
+symmetric memory's one-shot all-reduce's 6.4 us plus the kernels around it (scripts/allreduce_bw.py,
+docs/performance.md); a step makes two per BatchNorm. Each of its waits for a peer is bounded (`ExchangeError`).
 Eager mode keeps the single C++ autograd function: Python ops would cost host time in every layer.
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 import warnings
 from typing import NamedTuple
 
@@ -32,6 +37,8 @@ from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 
 from lkcnn.ops import build
+
+from .errors import UserError
 
 
 def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
@@ -124,22 +131,120 @@ class _Normalize(torch.autograd.Function):
         return grad_x.to(x.dtype), None, None, grad_weight, grad_bias, None, None
 
 
+# module.sync_bn_exchange: where SyncBatchNorm's statistics travel under torch.compile
+EXCHANGES = ("torch", "lkcnn")
+# How long an NVLink exchange waits for a peer. A peer is late for host reasons too: the ranks compile the first
+# steps (about 3 minutes on the H200 machine) and load data at their own pace, and only the gradient all-reduce at
+# each step's end evens them out. A few seconds would fail healthy runs; a minute still ends a dead peer's run
+# long before NCCL's own timeout (30 minutes under Lightning).
+DEFAULT_EXCHANGE_TIMEOUT_S = 60.0
+# After a failure, how long the watchdog leaves the training loop to raise ExchangeError and the process to end
+_WATCHDOG_GRACE_S = 15.0
+
+
+def use_nvlink_exchange(setting: str, *, compiled: bool, world_size: int, num_nodes: int,
+                        device_type: str) -> tuple[bool, str]:
+    """Whether a run sets up lkcnn's NVLink exchange, and if not, why (empty when the config did not ask for it).
+
+    Only where asked (`module.sync_bn_exchange=lkcnn`), compiled (eager SyncBatchNorm runs the C++ function on NCCL),
+    on several GPUs of one machine; several machines keep NCCL.
+    """
+    if setting not in EXCHANGES:
+        raise ValueError(f"module.sync_bn_exchange={setting!r}: use one of {', '.join(EXCHANGES)}")
+    if setting == "torch":
+        return False, ""
+    if not compiled:
+        return False, "it serves compiled runs only: add module.compile=reduce-overhead (or true)"
+    if device_type != "cuda" or world_size < 2:
+        return False, "it needs several GPUs"
+    if num_nodes > 1:
+        return False, f"the run spans {num_nodes} machines, and NVLink joins the GPUs of one"
+    return True, ""
+
+
+# The failure record's fields (csrc/sync_exchange.cu): bits 60-63, 56-59, 52-55, 32-51, 0-31.
+_REASONS = {1: "timeout", 2: "peer failed", 3: "diverged"}
+_KINDS = {1: "sum", 2: "stats"}
+
+
+class ExchangeError(UserError, RuntimeError):
+    """An NVLink exchange of SyncBatchNorm gave up waiting for a peer (exchange_failure_message says which)."""
+
+
+def exchange_failure_message(record: int, rank: int, timeout_s: float) -> str:
+    """The one-line message for a failure record written by the exchange kernels of `rank`."""
+    reason, kind = _REASONS.get(record >> 60, "unknown"), _KINDS.get((record >> 56) & 0xF, "unknown")
+    peer, size, call = (record >> 52) & 0xF, (record >> 32) & 0xFFFFF, record & 0xFFFFFFFF
+    what = (f"batch statistics of {size} channels" if kind == "stats" else
+            f"gradient sums of {size} values" if kind == "sum" else "values")
+    cause = {"timeout": f"rank {peer} did not answer within {timeout_s:g} s (it died, ran out of memory or skipped "
+                        "an exchange; a slow host can also be late)",
+             "peer failed": f"rank {peer} gave up on an exchange of its own first",
+             "diverged": f"rank {peer} made another exchange at this call (the ranks' BatchNorm calls diverged)"}
+    return (f"SyncBatchNorm's NVLink exchange ({what}, call {call}) failed on rank {rank}: "
+            f"{cause.get(reason, f'unknown failure record {record:#x}')}. Set module.sync_bn_exchange=torch to "
+            f"exchange through NCCL, or raise module.sync_bn_exchange_timeout_s (now {timeout_s:g}) if rank {peer} is "
+            "only slow.")
+
+
 class _Exchange(NamedTuple):
     workspace: Tensor  # this rank's symmetric-memory workspace (kept alive here)
     peers: list[int]  # every rank's workspace, mapped into this process, in rank order
     rank: int
     max_channels: int  # the kernels' limits, kept here so that dynamo need not call into the extension
     max_values: int
+    status: Tensor  # exchange_status_word(): the kernels' failure record, in mapped host memory
+    timeout_s: float
 
 
 # group name -> the exchange set up by enable_nvlink_exchange
 _exchanges: dict[str, _Exchange] = {}
+_raised: set[str] = set()  # groups whose failure check_nvlink_exchange has raised
 
 
-def enable_nvlink_exchange(group) -> None:
+def _failure(exchange: _Exchange) -> int:
+    """The exchange's failure record, 0 for none: a load from mapped host memory, no synchronization with the GPU."""
+    return int(exchange.status.numpy()[0])
+
+
+def check_nvlink_exchange() -> None:
+    """Raise ExchangeError if an NVLink exchange has failed on this rank.
+
+    Called after every training step (ClassificationModule.on_train_batch_end). Reading the kernels' record costs no
+    synchronization, so the host, running ahead of the GPU, learns of a failure a step or two late. That is safe:
+    a failed exchange's outputs, and every later one's, are NaN, so no step trains on stale statistics meanwhile.
+    Where the host blocks before it gets here (in a collective that waits for the same dead rank), the watchdog
+    thread of enable_nvlink_exchange ends the process instead.
+    """
+    for name, exchange in _exchanges.items():
+        record = _failure(exchange)
+        if record:
+            _raised.add(name)
+            raise ExchangeError(exchange_failure_message(record, exchange.rank, exchange.timeout_s))
+
+
+def _watchdog(name: str, exchange: _Exchange) -> None:
+    """Polls the failure record; once set, gives the training loop _WATCHDOG_GRACE_S to raise and the process to end,
+    then prints the message and exits: the DDP gradient all-reduce that follows the failed step waits for the same
+    dead rank in NCCL, and the host may block behind it before any check runs."""
+    while not _failure(exchange):
+        time.sleep(0.1)
+    time.sleep(_WATCHDOG_GRACE_S)
+    message = exchange_failure_message(_failure(exchange), exchange.rank, exchange.timeout_s)
+    if name in _raised:
+        message = f"(exiting: the process did not end within {_WATCHDOG_GRACE_S:g} s of: {message})"
+    print(f"Error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def enable_nvlink_exchange(group, timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S) -> None:
     """Run SyncBatchNorm's exchanges over `group` (under torch.compile) through lkcnn's NVLink kernels on symmetric
     memory instead of NCCL. Every rank must call it, with every rank's GPU reachable from every other (one machine).
-    Raises RuntimeError, on every rank, where that cannot be set up on any of them."""
+    Each wait for a peer gives up after `timeout_s` seconds: check_nvlink_exchange then raises ExchangeError, and a
+    watchdog thread ends a process that blocks instead. Raises RuntimeError, on every rank, where that cannot be set
+    up on any of them."""
+    if not timeout_s > 0:
+        raise ValueError(f"module.sync_bn_exchange_timeout_s={timeout_s!r}: use a positive number of seconds")
     if group.group_name in _exchanges:
         return
     try:
@@ -148,7 +253,8 @@ def enable_nvlink_exchange(group) -> None:
         ext = build.load()
         size = ext.exchange_workspace_bytes(group.size())  # raises for more ranks than one machine has
         workspace = symm_mem.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-        workspace.zero_()  # counters and call tags start at 0, before any peer can reach them (the rendezvous)
+        workspace.zero_()  # counters, failure record and call tags start at 0, before any peer can reach them
+        status = ext.exchange_status_word()
         torch.cuda.synchronize()
         error = None
     except (ImportError, RuntimeError) as err:  # e.g. out of GPU memory, or no compiler, on this rank only
@@ -160,8 +266,11 @@ def enable_nvlink_exchange(group) -> None:
         raise RuntimeError("; ".join(e for e in errors if e))
     handle = symm_mem.rendezvous(workspace, group.group_name)  # maps every rank's workspace into this process
     offset = workspace.data_ptr() - handle.buffer_ptrs[handle.rank]
-    _exchanges[group.group_name] = _Exchange(workspace, [p + offset for p in handle.buffer_ptrs], handle.rank,
-                                             ext.exchange_max_channels(), ext.exchange_max_values())
+    exchange = _Exchange(workspace, [p + offset for p in handle.buffer_ptrs], handle.rank,
+                         ext.exchange_max_channels(), ext.exchange_max_values(), status, float(timeout_s))
+    _exchanges[group.group_name] = exchange
+    threading.Thread(target=_watchdog, args=(group.group_name, exchange), name="lkcnn-exchange-watchdog",
+                     daemon=True).start()
 
 
 def _exchange_takes(group_name: str, x: Tensor, running_mean: Tensor | None, running_var: Tensor | None) -> bool:
@@ -175,14 +284,16 @@ def _exchange_takes(group_name: str, x: Tensor, running_mean: Tensor | None, run
 def exchange_batch_norm_stats(mean: Tensor, var: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
                               eps: float, count: int, group_name: str) -> tuple[Tensor, Tensor]:
     """The global batch mean and 1/sqrt(var + eps) from every rank's (mean, biased variance) over `count` samples per
-    channel in all, the running statistics updated in place; one kernel (float32, enable_nvlink_exchange first)."""
+    channel in all, the running statistics updated in place; one kernel (float32, enable_nvlink_exchange first).
+    Where a peer does not answer in time the outputs are NaN (check_nvlink_exchange raises)."""
     exchange = _exchanges.get(group_name)
     if exchange is None:
         raise RuntimeError(f"lkcnn::exchange_batch_norm_stats: call enable_nvlink_exchange on group {group_name} "
                            "(every rank) first")
     mean_out, invstd_out = torch.empty_like(mean), torch.empty_like(mean)
     build.load().exchange_batch_norm_stats(mean.contiguous(), var.contiguous(), running_mean, running_var, mean_out,
-                                           invstd_out, momentum, eps, count, exchange.peers, exchange.rank)
+                                           invstd_out, momentum, eps, count, exchange.peers, exchange.rank,
+                                           exchange.status.data_ptr(), exchange.timeout_s)
     return mean_out, invstd_out
 
 
@@ -197,7 +308,8 @@ def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
     exchange = _exchanges.get(group_name)
     if exchange is not None and t.is_cuda and t.dtype == torch.float32 and t.numel() <= exchange.max_values:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        build.load().exchange_sum(t.contiguous(), out, exchange.peers, exchange.rank)
+        build.load().exchange_sum(t.contiguous(), out, exchange.peers, exchange.rank, exchange.status.data_ptr(),
+                                  exchange.timeout_s)
         return out
     out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
