@@ -37,14 +37,23 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
 def build(name: str, kwargs: dict[str, Any]) -> nn.Module:
     """The model on the meta device (no memory, no init time); unknown names list close matches."""
     if name not in timm.list_models():
-        close = difflib.get_close_matches(name, timm.list_models(), n=5)
-        raise ValueError(f"unknown model {name!r}; did you mean {close}? lkcnn models: {list_models()}")
+        raise ValueError(unknown_model(name))
     with torch.device("meta"):
         try:
             # the entrypoint, not timm.create_model, so an explicit small_kernel=None is not dropped
             return timm.models.model_entrypoint(name)(pretrained=False, **kwargs)
         except TypeError as err:
             raise ValueError(f"{name} does not accept these settings {kwargs}: {err}") from None
+
+
+def unknown_model(name: str) -> str:
+    """One line for a name timm does not know: the closest names (lkcnn's first), else lkcnn's model names."""
+    ours = list_models()
+    close = difflib.get_close_matches(name, ours, n=3) or difflib.get_close_matches(name, timm.list_models(), n=3)
+    if close:
+        return f"unknown model {name!r}: did you mean {', '.join(close)}?"
+    return (f"unknown model {name!r}: lkcnn's models are {', '.join(ours)} (any name in timm.list_models() "
+            "works too)")
 
 
 def count_macs(model: nn.Module, img_size: int) -> tuple[int, int]:
@@ -91,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = info(args.model, args.img_size, parse_sets(args.set))
-    except ValueError as err:
-        parser.error(str(err))
+    except ValueError as err:  # a name or setting the user typed: one line, no usage block, no traceback
+        print(f"lkcnn-info: error: {err}", file=sys.stderr)
+        return 2
     print(f"model          {result['name']} {result['kwargs'] or ''}".rstrip())
     print(f"params         {result['params_train'] / 1e6:.2f}M (train form)  "
           f"{result['params_deploy'] / 1e6:.2f}M (deploy form)")

@@ -1,6 +1,7 @@
 """Kernel timing callback: on a tiny RepLKNet trained for a few CPU steps, the per-layer table (CSV, JSON, logger
 scalars, TensorBoard text) has one row per large-kernel conv per timed step with the layer's real kernel size,
-input shape, dtype and implementation; the timer brackets the layer; no hook outlives a timed batch."""
+input shape, dtype and implementation; the timer brackets the layer; no hook outlives a timed batch; a fit that
+timed too few steps for a mean says so."""
 from __future__ import annotations
 
 import csv
@@ -17,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lkcnn.layers import LargeKernelConv
 from lkcnn.training import ClassificationModule, SyntheticDataModule
-from lkcnn.training.kernel_timing import COLUMNS, KernelTimingCallback
+from lkcnn.training.kernel_timing import COLUMNS, MIN_SAMPLES, KernelTimingCallback
 
 BATCH = 4
 SLEEP_S = 0.05
@@ -114,6 +115,7 @@ def test_timer_brackets_the_layer(timed_run):
 def test_json_holds_the_same_table(timed_run):
     result = json.loads((timed_run["tmp"] / "run" / "kernel_timing.json").read_text())
     assert result["device"] == "cpu" and result["timer"] == "wall clock" and result["columns"] == list(COLUMNS)
+    assert (result["every_n_steps"], result["warmup_steps"]) == (2, 0)  # the settings behind the sample count
     as_text = [{k: "" if v is None else str(v) for k, v in row.items()} for row in result["rows"]]
     assert as_text == timed_run["rows"]
 
@@ -185,3 +187,19 @@ def test_a_model_without_large_kernel_convs_gets_a_warning_not_a_table(tmp_path,
         trainer.fit(module, datamodule=data)
     assert sum("no LargeKernelConv ran" in r.message for r in caplog.records) == 1  # once, not per timed step
     assert not (tmp_path / "kernel_timing.csv").exists()
+
+
+@pytest.mark.parametrize("steps", [MIN_SAMPLES - 1, MIN_SAMPLES])
+def test_too_few_timed_steps_for_a_mean_get_a_warning(steps, tmp_path, caplog):
+    data = SyntheticDataModule(num_train=steps * BATCH, num_val=BATCH, num_classes=4, img_size=16, batch_size=BATCH,
+                               num_workers=0)
+    timing = KernelTimingCallback(every_n_steps=1, warmup_steps=0, dirpath=str(tmp_path))  # every step: `steps` samples
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[timing])
+    with caplog.at_level("WARNING", logger="lkcnn.training.kernel_timing"):
+        trainer.fit(tiny_module([3, 3, 3, 3]), datamodule=data)
+    assert len({row["step"] for row in timing.rows}) == steps
+    warned = [r.message for r in caplog.records if "too few for a mean" in r.message]
+    assert len(warned) == (steps < MIN_SAMPLES)
+    assert all("callbacks.kernel_timing.every_n_steps" in message for message in warned)

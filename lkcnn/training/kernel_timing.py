@@ -5,6 +5,8 @@ training batch, times its forward and its backward (CUDA events on a GPU, the wa
 hooks, and reports one row per layer: scalars `kernel_ms/<layer>/fwd|bwd` (plus `kernel_ms/total/...`) to every
 logger, the table to loggers that take tables (W&B table, TensorBoard text), and the rows of all timed steps to
 `<dirpath>/kernel_timing.csv` and `.json`. Between timed steps no hook is installed, so training runs untouched.
+One timed step is one sample of a noisy quantity (the CPU's wall clock especially): a fit that timed fewer than
+`MIN_SAMPLES` steps warns, and `python -m lkcnn.ablation` reports the mean, median, IQR and count over the samples.
 
 Why not torch.profiler: it times every op of the step and costs far more than the hooks; the question here is only
 how long each large-kernel layer takes in a real training step, with its real shapes, dtype and implementation.
@@ -32,6 +34,7 @@ from lkcnn.ops import implementation as op_implementation  # the op's own dispat
 log = logging.getLogger(__name__)
 
 COLUMNS = ("step", "layer", "kernel_size", "input_shape", "dtype", "implementation", "fwd_ms", "bwd_ms")
+MIN_SAMPLES = 3  # timed steps below which a fit warns: no mean or spread worth reading
 Mark = float | torch.cuda.Event  # a point in time: perf_counter() seconds on the CPU, a recorded event on a GPU
 
 
@@ -186,13 +189,22 @@ class KernelTimingCallback(L.Callback):
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         timer = "cuda events" if device.type == "cuda" else "wall clock"
         (folder / "kernel_timing.json").write_text(json.dumps(
-            {"device": device_name, "timer": timer, "columns": list(COLUMNS), "rows": self.rows}, indent=1))
+            {"device": device_name, "timer": timer, "every_n_steps": self.every_n_steps,
+             "warmup_steps": self.warmup_steps, "columns": list(COLUMNS), "rows": self.rows}, indent=1))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove()
-        if trainer.is_global_zero and self._timed_step < 0:
+        if not trainer.is_global_zero:
+            return
+        if self._timed_step < 0:
             log.warning("kernel timing: no step was timed (the first is step %d): lower "
                         "callbacks.kernel_timing.warmup_steps or train longer", self.warmup_steps)
+            return
+        timed = len({row["step"] for row in self.rows})
+        if 0 < timed < MIN_SAMPLES:
+            log.warning("kernel timing: only %d step(s) timed (every %d steps after %d), too few for a mean: lower "
+                        "callbacks.kernel_timing.every_n_steps or train longer", timed, self.every_n_steps,
+                        self.warmup_steps)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._timing = False
