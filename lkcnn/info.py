@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lkcnn.layers import LargeKernelConv
 from lkcnn.models import list_models  # importing lkcnn.models registers the models with timm
-from lkcnn.reparam import reparameterize_model
+from lkcnn.deploy.reparam import reparameterize_model
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""lkcnn.checkpoint: weights-only reading of real Lightning checkpoints, state_dicts and official-style files, and
+"""lkcnn.deploy.checkpoint: weights-only reading of real Lightning checkpoints, state_dicts and official-style files, and
 one clear error for every bad file."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from timm.utils import ModelEmaV3
 from torch.utils.data import DataLoader, TensorDataset
 
 import lkcnn  # noqa: F401  registers the models
-from lkcnn.checkpoint import CheckpointError, load_file, load_weights, read_checkpoint
+from lkcnn.deploy.checkpoint import CheckpointError, load_file, load_weights, read_checkpoint
 
 KWARGS = {"num_classes": 4}
 

@@ -1,4 +1,4 @@
-"""lkcnn.export: checkpoint -> verified deployed files -> lkcnn.load_deployed, ONNX, refusals and CLI errors."""
+"""lkcnn.deploy.export: checkpoint -> verified deployed files -> lkcnn.load_deployed, ONNX, refusals and CLI errors."""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lkcnn
 from conftest import randomize_bn, rel_err
-from lkcnn import export
-from lkcnn.checkpoint import CheckpointError
-from lkcnn.export import ExportError, export_checkpoint, load_deployed, main
+from lkcnn.deploy import export
+from lkcnn.deploy.checkpoint import CheckpointError
+from lkcnn.deploy.export import ExportError, export_checkpoint, load_deployed, main
 from lkcnn.training.module import ClassificationModule
 
 SIZE = (32, 32)  # small inputs keep the CPU tests fast; the large kernels still overhang the maps

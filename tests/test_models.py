@@ -13,7 +13,7 @@ import lkcnn
 from lkcnn.info import info, main
 from lkcnn.layers import LargeKernelConv, ReparamLargeKernelConv
 from lkcnn.models import checkpoint_filter_fn
-from lkcnn.reparam import reparameterize_model
+from lkcnn.deploy.reparam import reparameterize_model
 
 
 def _meta(name: str, **kwargs) -> torch.nn.Module:

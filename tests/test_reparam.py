@@ -7,7 +7,7 @@ from timm.utils import reparameterize_model as timm_reparameterize_model
 
 import lkcnn
 from lkcnn.layers import ReparamLargeKernelConv
-from lkcnn.reparam import reparameterize_model
+from lkcnn.deploy.reparam import reparameterize_model
 
 
 @pytest.mark.parametrize("kernel_size,small_kernel,dilated", [

@@ -18,6 +18,7 @@ from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader, Dataset
 
 from . import augment  # noqa: F401 - registers the RandAugment ops that work with every Pillow (posterize)
+from . import gpu_decode
 from .datasets import CorruptImage, Transform, collate_skipping_corrupt
 from .errors import ConfigError, CorruptImageError
 from .seeding import DeferredStartDataLoader, EpochShuffleSampler
@@ -54,13 +55,19 @@ class ImageDataModule(L.LightningDataModule):
         on_corrupt: "skip" drops undecodable images and counts each file once in a warning; "error" stops at the
             first.
         seed: shuffling and worker seeds derive from (seed, epoch); see lkcnn.training.seeding.
+        decode: "cpu" decodes and augments in the loader workers (timm's pipeline); "gpu" has the workers read the
+            JPEG bytes and the device decode (nvJPEG) and augment them (lkcnn.training.gpu_decode), image files only.
     """
 
     def __init__(self, num_classes: int, img_size: int, batch_size: int, num_workers: int | None = 0,
                  pin_memory: bool = True, transform: Mapping[str, Any] | None = None,
                  mixup: Mapping[str, Any] | None = None, label_smoothing: float = 0.0, on_corrupt: str = "skip",
-                 seed: int = 0) -> None:
+                 seed: int = 0, decode: str = "cpu") -> None:
         super().__init__()
+        if decode not in gpu_decode.DECODE:
+            raise ConfigError(f"data.decode={decode!r} must be one of {', '.join(gpu_decode.DECODE)}")
+        if decode == "gpu":
+            gpu_decode.require_cuda()
         if on_corrupt not in ON_CORRUPT:
             raise ConfigError(f"data.on_corrupt={on_corrupt!r} must be one of {', '.join(ON_CORRUPT)}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -81,6 +88,7 @@ class ImageDataModule(L.LightningDataModule):
         self.label_smoothing = label_smoothing
         self.on_corrupt = on_corrupt
         self.seed = seed
+        self.decode = decode
         self.mixup = Mixup(num_classes=num_classes, label_smoothing=label_smoothing, **mixup) if mixup else None
         self.corrupt_paths: set[str] = set()  # each file counted once, however many epochs skip it
         self.train_set: Dataset | None = None
@@ -92,9 +100,22 @@ class ImageDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
-            self.train_set, self.val_set = self.make_datasets(
-                create_transform(self.img_size, is_training=True, **self.transform),
-                create_transform(self.img_size, is_training=False, **self.transform))
+            train_transform = create_transform(self.img_size, is_training=True, **self.transform)
+            eval_transform = create_transform(self.img_size, is_training=False, **self.transform)
+            self.train_set, self.val_set = self.make_datasets(train_transform, eval_transform)
+            if self.decode == "gpu":
+                self._to_device_decode(train_transform, eval_transform)
+
+    def _to_device_decode(self, train_transform: Transform, eval_transform: Transform) -> None:
+        """Serve JPEG bytes for the device path, the augmentation read from the same timm pipelines."""
+        source = type(self).__name__
+        train, val = (gpu_decode.device_transform(t, training) for t, training in
+                      ((train_transform, True), (eval_transform, False)))
+        self.train_set = gpu_decode.encoded_dataset(self.train_set, train, source)
+        self.val_set = gpu_decode.encoded_dataset(self.val_set, val, source)
+        if train.skipped:  # never silently: the run trains without these ops
+            log.warning("data.decode=gpu skips %s of data.transform (timm runs them on PIL images only, in the "
+                        "workers); set data.decode=cpu for the full recipe", ", ".join(train.skipped))
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         sampler = EpochShuffleSampler(dataset, self.seed) if train else None
@@ -102,7 +123,7 @@ class ImageDataModule(L.LightningDataModule):
             dataset, batch_size=self.batch_size, sampler=sampler, drop_last=train,
             generator=sampler.generator if sampler is not None else None,
             num_workers=self.num_workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
-            collate_fn=collate_skipping_corrupt)
+            collate_fn=getattr(dataset, "collate", collate_skipping_corrupt))
 
     def train_dataloader(self) -> DataLoader:
         if len(self.train_set) < self.batch_size:
@@ -122,6 +143,16 @@ class ImageDataModule(L.LightningDataModule):
             raise CorruptImageError(f"every image of a batch failed to decode, e.g. {corrupt[0].path} "
                                     f"({corrupt[0].error}): check the dataset files")
         return images, targets
+
+    def _decode_on_device(self, batch: gpu_decode.EncodedBatch, targets: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        images, keep, corrupt = gpu_decode.decode_batch(batch, targets.device)
+        if corrupt:
+            self._report_corrupt(corrupt)
+        if images is None:
+            raise CorruptImageError(f"every image of a batch failed to decode, e.g. {corrupt[0].path} "
+                                    f"({corrupt[0].error}): check the dataset files")
+        return images, targets if len(keep) == len(targets) else targets[keep.to(targets.device)]
 
     @property
     def num_corrupt(self) -> int:
@@ -143,8 +174,11 @@ class ImageDataModule(L.LightningDataModule):
                     example.path, example.error)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training batches get soft targets: mixup/cutmix (on the device) and label smoothing."""
+        """decode=gpu batches are decoded and augmented here, on the targets' device; training batches get soft
+        targets: mixup/cutmix (on the device) and label smoothing."""
         images, targets = batch
+        if isinstance(images, gpu_decode.EncodedBatch):
+            images, targets = self._decode_on_device(images, targets)
         if self.trainer is None or not self.trainer.training:
             return images, targets
         if self.mixup is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -26,8 +26,9 @@ class CorruptImage:
     error: str
 
 
-def load_rgb(path: str) -> Image.Image:
-    """Decode a file fully as RGB, turned upright by its EXIF orientation tag (as a viewer shows it).
+def load_rgb(path: str | BinaryIO) -> Image.Image:
+    """Decode a file (a path or an open binary file) fully as RGB, turned upright by its EXIF orientation tag (as a
+    viewer shows it).
 
     Whatever the format inside (a PNG named .JPEG is fine), CMYK and grayscale become RGB; a truncated file fails
     here, in `load`, not later in a transform.

@@ -31,7 +31,7 @@ def user_error_message(err: BaseException) -> str | None:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
-    from lkcnn.checkpoint import CheckpointError
+    from lkcnn.deploy.checkpoint import CheckpointError
 
     cause: BaseException | None = err
     while cause is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from lkcnn.checkpoint import CheckpointError, read_checkpoint
+from lkcnn.deploy.checkpoint import CheckpointError, read_checkpoint
 
 from .errors import ConfigError, PathNotFoundError
 
