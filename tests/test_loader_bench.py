@@ -2,6 +2,7 @@
 and says when the data is too small."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data=synthetic", "data.num_classes=10", "data.img_size=16", "data.batch_size=8", "data.num_workers=0"]
@@ -57,3 +60,28 @@ def test_too_few_batches_is_one_clear_error():
     result = _run("--batches", "3", "--warmup", "1", *TINY, "data.num_train=24")  # 3 batches of 8, 4 needed
     assert result.returncode != 0 and "has 3 batches, fewer than --warmup + --batches = 4" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_comparing_the_decode_paths_needs_a_gpu_and_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: test_decode_paths_compared_on_generated_jpegs runs instead")
+    result = _run("--jpegs", "40")
+    assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_paths_compared_on_generated_jpegs(tmp_path):
+    record_path = tmp_path / "loader.json"
+    result = _run("--jpegs", "200", "--batches", "3", "--warmup", "1", "--gpu-workers", "2",
+                  "--json", str(record_path), "data.batch_size=16", "data.img_size=64")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {m[1]: (int(m[2]), float(m[3]), float(m[4]), float(m[5])) for m in re.finditer(
+        r"^(decode=(?:cpu|gpu))\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)}
+    assert set(rows) == {"decode=cpu", "decode=gpu"} and rows["decode=gpu"][0] == 2, result.stdout
+    record = json.loads(record_path.read_text())
+    assert record["schema"] == "lkcnn-benchmark/1" and record["kind"] == "loader"
+    for row in record["rows"]:
+        workers, rate, per_worker, needed = rows[row["what"]]
+        assert row["images_per_s"] == rate > 0 and abs(per_worker * min(workers, len(os.sched_getaffinity(0))) - rate) < 0.1 * rate
+        assert abs(needed * per_worker - 1280) < 0.01 * 1280
