@@ -15,7 +15,6 @@ import functools
 import itertools
 import json
 import math
-import os
 import platform
 import shlex
 import statistics
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lkcnn.ops import build, reference  # importing lkcnn.ops registers torch.ops.lkcnn.*
+from lkcnn.ops import build, reference, set_conv_impl  # importing lkcnn.ops registers torch.ops.lkcnn.*
 
 # The benchmark set: the MegEngine article's shape and RepLKNet-31B's four stages, exactly the (shape, k) pairs of
 # benchmarks/h100_anchors.json.
@@ -595,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"lkcnn-bench: no CUDA device is visible (torch {torch.__version__}, CUDA build "
                  f"{torch.version.cuda}). The benchmark times GPU kernels and never times on the CPU: run it on a "
                  f"machine with an NVIDIA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES).")
-    os.environ["LKCNN_CONV_IMPL"] = "cuda"  # the lkcnn columns must be lkcnn's kernels, never the fallback
+    set_conv_impl("cuda")  # the lkcnn columns must be lkcnn's kernels, never the fallback
     extension = _load_extension()
     timer_name, timer = gpu_timer()
     report = benchmark(configs, timer, timer_name, torch.device("cuda"), not args.no_torch, anchors,

@@ -98,7 +98,7 @@ def diagnose(do_build: bool) -> tuple[list[str], list[str]]:
         lines.append(f"sources     {sources}")
     except FileNotFoundError as err:
         problems.append(str(err))
-    lines.append(f"impl        LKCNN_CONV_IMPL={os.environ.get('LKCNN_CONV_IMPL', 'auto')}")
+    lines.append(f"impl        LKCNN_CONV_IMPL={dwconv.conv_impl_from_env() or 'auto'} (the default policy)")
     if not torch.cuda.is_available():
         reason = "torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
         lines.append(f"GPU         none ({reason}): lkcnn runs PyTorch's convolution; its CUDA kernels need an NVIDIA GPU")
@@ -139,15 +139,8 @@ def diagnose(do_build: bool) -> tuple[list[str], list[str]]:
         problems.append(f"the extension does not build: {err}. Rebuild verbosely with `python -m lkcnn.ops.build -v`")
         return lines, problems
     lines.append(f"extension   {module.__file__} (loaded in {time.perf_counter() - start:.1f} s)")
-    previous = os.environ.get("LKCNN_CONV_IMPL")
-    os.environ["LKCNN_CONV_IMPL"] = "cuda"  # test lkcnn's kernels whatever the user's default is
-    try:
+    with dwconv.use_conv_impl("cuda"):  # test lkcnn's kernels whatever the user's default is
         failures = _self_test()
-    finally:
-        if previous is None:
-            del os.environ["LKCNN_CONV_IMPL"]
-        else:
-            os.environ["LKCNN_CONV_IMPL"] = previous
     lines.append(f"self-test   {'passed' if not failures else 'FAILED'} (7x7 and 31x31, fp32/fp16/bf16, forward and "
                  "both gradients against float64 PyTorch)")
     problems += [f"self-test failed: {f}: report this with the output of `python -m lkcnn.doctor`" for f in failures]

@@ -2,58 +2,25 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
-import difflib
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import timm
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lkcnn.layers import LargeKernelConv
-from lkcnn.models import list_models  # importing lkcnn.models registers the models with timm
 from lkcnn.deploy.reparam import reparameterize_model
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    """`key=value` pairs; values are Python literals where they parse (31, [31,29,27,13], None), else strings."""
-    kwargs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {item!r} (e.g. --set kernel_sizes=[31,29,27,13])")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
-    return kwargs
+from lkcnn.layers import LargeKernelConv
+from lkcnn.models import build_model, list_models, parse_model_args
 
 
 def build(name: str, kwargs: dict[str, Any]) -> nn.Module:
-    """The model on the meta device (no memory, no init time); unknown names list close matches."""
-    if name not in timm.list_models():
-        raise ValueError(unknown_model(name))
+    """The model on the meta device (no memory, no init time, nothing downloaded)."""
     with torch.device("meta"):
-        try:
-            # the entrypoint, not timm.create_model, so an explicit small_kernel=None is not dropped
-            return timm.models.model_entrypoint(name)(pretrained=False, **kwargs)
-        except TypeError as err:
-            raise ValueError(f"{name} does not accept these settings {kwargs}: {err}") from None
-
-
-def unknown_model(name: str) -> str:
-    """One line for a name timm does not know: the closest names (lkcnn's first), else lkcnn's model names."""
-    ours = list_models()
-    close = difflib.get_close_matches(name, ours, n=3) or difflib.get_close_matches(name, timm.list_models(), n=3)
-    if close:
-        return f"unknown model {name!r}: did you mean {', '.join(close)}?"
-    return (f"unknown model {name!r}: lkcnn's models are {', '.join(ours)} (any name in timm.list_models() "
-            "works too)")
+        return build_model(name, **{**kwargs, "pretrained": False})
 
 
 def count_macs(model: nn.Module, img_size: int) -> tuple[int, int]:
@@ -96,11 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model", help=f"a timm model name, e.g. one of lkcnn's: {', '.join(list_models())}")
     parser.add_argument("--img-size", type=int, default=224, help="square input size (default 224)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="model keyword argument, e.g. --set kernel_sizes=7 --set small_kernel=None")
+                        help="model keyword argument, read as YAML, e.g. --set kernel_sizes=[31,29,27,13] "
+                        "--set small_kernel=0")
     args = parser.parse_args(argv)
     try:
-        result = info(args.model, args.img_size, parse_sets(args.set))
-    except ValueError as err:  # a name or setting the user typed: one line, no usage block, no traceback
+        result = info(args.model, args.img_size, parse_model_args(args.set))
+    except ValueError as err:  # a name or setting the user typed (ModelError): one line, no usage block
         print(f"lkcnn-info: error: {err}", file=sys.stderr)
         return 2
     print(f"model          {result['name']} {result['kwargs'] or ''}".rstrip())

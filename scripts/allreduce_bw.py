@@ -7,7 +7,7 @@ Sizes: the gradient buckets DDP sends (25 MB) and RepLKNet-31B's whole fp32 grad
 nccl-tests defines it: bytes * 2 (n - 1) / n / time. Latency: 8 KB, the size of one SyncBatchNorm's statistics
 at 1024 channels, as 100 back-to-back all-reduces launched from Python and captured in one CUDA graph (as a compiled
 step runs them), through NCCL, torch's symmetric-memory one-shot all-reduce and lkcnn's NVLink exchange
-(csrc/sync_exchange.cu); the graph's time per all-reduce is the floor of what each synchronized BatchNorm adds to a
+(csrc/sync_bn/sync_exchange.cu); the graph's time per all-reduce is the floor of what each synchronized BatchNorm adds to a
 step, forward and backward each.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from lkcnn.training.sync_batchnorm import all_reduce_sum, enable_nvlink_exchange
+from lkcnn.ops.sync_batchnorm import all_reduce_sum, enable_nvlink_exchange
 
 
 def main() -> None:

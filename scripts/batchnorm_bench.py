@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lkcnn.training.sync_batchnorm import SyncBatchNorm
+from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 
 SHAPES = [(64, 128, 56, 56), (64, 256, 28, 28), (64, 512, 14, 14), (64, 1024, 7, 7)]
 HOST_SHAPE = (2, 256, 4, 4)

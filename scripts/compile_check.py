@@ -39,7 +39,7 @@ def compile_all(arch: str = "90", verbose: bool = True, directory: Path | None =
     """Compile every source of lkcnn.ops.sources.SOURCES in `directory` (default: where lkcnn finds them)."""
     directory = directory or csrc_dir()
     out_dir = Path(tempfile.mkdtemp(prefix="lkcnn_cc_"))
-    jobs = [(directory / name, out_dir / f"{name}.o") for name in SOURCES]
+    jobs = [(directory / name, out_dir / f"{Path(name).name}.o") for name in SOURCES]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         results = list(pool.map(lambda job: subprocess.run(_command(*job, arch), capture_output=True, text=True), jobs))
     for (src, _), proc in zip(jobs, results):

@@ -36,11 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import lkcnn  # noqa: F401  registers the models
-from lkcnn.training.sync_batchnorm import (
-    SyncBatchNorm,
-    enable_nvlink_exchange,
-    sync_batch_norm,
-)
+from lkcnn.layers.sync_batchnorm import SyncBatchNorm
+from lkcnn.ops.sync_batchnorm import enable_nvlink_exchange, sync_batch_norm
 
 
 class _AlwaysSynced(SyncBatchNorm):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -17,14 +16,15 @@ import timm
 import torch
 import torch.nn.functional as F
 
-import lkcnn  # noqa: F401  registers the models
+from lkcnn.models import NO_SMALL_KERNEL  # importing lkcnn registers the models
+from lkcnn.ops import set_conv_impl
 
 
 def setup(impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph: bool = False, **model_kwargs):
     """(train step, its state) for one variant: RepLKNet-31B, AdamW, synthetic batch, bf16 autocast. With
     cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays it: no host
     time per step, so the GPU's own time per step is what is measured."""
-    os.environ["LKCNN_CONV_IMPL"] = impl
+    set_conv_impl(impl)
     model = timm.create_model("replknet31b", **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -119,8 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
                   compile=args.compile, cuda_graph=args.cuda_graph)
-    small = dict(kernel_sizes=3, small_kernel=0)  # small_kernel=0 drops the branch (timm drops None-valued keywords)
-    variants = {  # key: (label, LKCNN_CONV_IMPL, model keywords)
+    small = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)
+    variants = {  # key: (label, conv implementation, model keywords)
         "cuda": ("lkcnn kernels, 31-29-27-13 + 5x5", "cuda", {}),
         # the default dispatch: large kernels on lkcnn, the 5x5 branch (under AUTO_MIN_KERNEL) on cuDNN
         "auto": ("lkcnn 'auto', 31-29-27-13 + 5x5", "auto", {}),

@@ -1,6 +1,18 @@
 """Shared helpers for the layer / model / re-parameterization tests (imported as `from conftest import ...`)."""
+import pytest
 import torch
 import torch.nn as nn
+
+from lkcnn.ops import set_conv_impl
+
+
+@pytest.fixture(autouse=True)
+def _user_default_conv_impl():
+    """Each test starts from the user's conv implementation: the training app (conv_impl) and the tools choose one
+    for the whole process."""
+    set_conv_impl(None)
+    yield
+    set_conv_impl(None)
 
 
 def randomize_bn(module: nn.Module) -> nn.Module:

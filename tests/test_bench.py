@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lkcnn import bench
+from lkcnn.ops import use_conv_impl
 
 # docs/performance.md's floors table: useful GFLOP per pass, % of dense, fp32 FMA floor of the 3 passes (ms), as printed.
 PUBLISHED_FLOPS = {
@@ -200,10 +201,10 @@ def test_channels_last_times_lkcnn_in_that_layout_and_pytorch_in_both():
     assert bench.table_row(result)[0] == "s4 CL"
 
 
-def test_failures_are_recorded_and_the_run_goes_on(monkeypatch):
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")  # lkcnn's kernels cannot run on the CPU: each config must say so
+def test_failures_are_recorded_and_the_run_goes_on():
     configs = tiny_configs(dtypes=("fp32",))
-    results = bench.run(configs, fake_timer(), torch.device("cpu"), log=lambda line: None)
+    with use_conv_impl("cuda"):  # lkcnn's kernels cannot run on the CPU: each config must say so
+        results = bench.run(configs, fake_timer(), torch.device("cpu"), log=lambda line: None)
     assert len(results) == len(configs)
     for r in results:
         assert "LKCNN_CONV_IMPL=cuda" in r["lkcnn"]["error"]
@@ -215,8 +216,8 @@ def test_failures_are_recorded_and_the_run_goes_on(monkeypatch):
 
     def broken(fn):
         raise RuntimeError("CUDA out of memory")
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "auto")
-    r = bench.run(configs[:1], broken, torch.device("cpu"), log=lambda line: None)[0]
+    with use_conv_impl("auto"):
+        r = bench.run(configs[:1], broken, torch.device("cpu"), log=lambda line: None)[0]
     assert r["torch"]["best"] is None and r["lkcnn"]["error"] == "RuntimeError: CUDA out of memory"
     assert "torch: RuntimeError: CUDA out of memory" in bench.format_table([r])
 

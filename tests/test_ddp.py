@@ -23,7 +23,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.layers import LargeKernelConv
-from lkcnn.training import ClassificationModule, SyncBatchNorm, SyncBatchNormPlugin
+from lkcnn.layers.sync_batchnorm import SyncBatchNorm
+from lkcnn.training import ClassificationModule, SyncBatchNormPlugin
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, BATCH, NUM_TRAIN, LR, BASE_BATCH = 2, 4, 32, 2e-3, 64
@@ -116,7 +117,7 @@ def _fake_group_with_exchange(monkeypatch, max_channels: int | None = 16384):
     None, the NVLink exchange registered for it as enable_nvlink_exchange would (nothing here runs its kernels)."""
     from types import SimpleNamespace
 
-    from lkcnn.training import sync_batchnorm
+    from lkcnn.ops import sync_batchnorm
 
     if max_channels is not None:
         monkeypatch.setitem(sync_batchnorm._exchanges, "0",
@@ -136,7 +137,7 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_
     BatchNorm's own backward does, not the five sums (and two means) of autograd through var_mean."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lkcnn.training.sync_batchnorm import sync_batch_norm
+    from lkcnn.ops.sync_batchnorm import sync_batch_norm
 
     group = _fake_group_with_exchange(
         monkeypatch, {"none": None, "nvlink": 16384, "nvlink-too-many-channels": 5}[exchange])
@@ -170,7 +171,7 @@ def test_compiled_sync_batchnorm_saves_no_float32_activation_for_backward(monkey
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from lkcnn.training import sync_batchnorm
+    from lkcnn.ops import sync_batchnorm
 
     group = _fake_group_with_exchange(monkeypatch)
 
@@ -211,7 +212,7 @@ def test_compiled_sync_batchnorm_saves_no_float32_activation_for_backward(monkey
 
 
 def test_nvlink_statistics_exchange_without_setup_says_what_to_do():
-    from lkcnn.training.sync_batchnorm import exchange_batch_norm_stats
+    from lkcnn.ops.sync_batchnorm import exchange_batch_norm_stats
 
     stats = torch.zeros(4)
     with pytest.raises(RuntimeError, match="call enable_nvlink_exchange on group 7"):
@@ -222,7 +223,7 @@ def _traceable_rank(rank: int, folder: str, compiled: str) -> None:
     """One gloo rank: its half of the batch through traceable_sync_batch_norm (compiled or not), saved to a file."""
     import torch.distributed as dist
 
-    from lkcnn.training.sync_batchnorm import traceable_sync_batch_norm
+    from lkcnn.ops.sync_batchnorm import traceable_sync_batch_norm
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     try:
@@ -287,7 +288,7 @@ def _nvlink_setup_rank(rank: int, folder: str) -> None:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from lkcnn.training import sync_batchnorm
+    from lkcnn.ops import sync_batchnorm
 
     def empty(*args, **kwargs):
         if rank == 1:

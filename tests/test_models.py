@@ -133,6 +133,21 @@ def test_small_kernel_larger_than_kernel_says_how_to_drop_it():
         _meta("replknet_tiny", kernel_sizes=3)
 
 
+def test_build_model_keeps_an_explicit_small_kernel_none():
+    """timm.create_model would drop small_kernel=None and bring back the default branch; lkcnn's builder does not."""
+    with torch.device("meta"):
+        model = lkcnn.models.build_model("replknet_tiny", small_kernel=None)
+    assert not any(isinstance(m, ReparamLargeKernelConv) and m.small_kernel for m in model.modules())
+    assert model.lkcnn_spec["kwargs"] == {"small_kernel": 0}
+
+
+def test_set_values_are_read_as_yaml():
+    assert lkcnn.models.parse_model_args(["a=null", "b=[31,29,27,13]", "c=true", "d=1e-5", "e=text", "f='7'"]) == {
+        "a": None, "b": [31, 29, 27, 13], "c": True, "d": 1e-5, "e": "text", "f": "7"}
+    with pytest.raises(lkcnn.models.ModelError, match="not YAML"):
+        lkcnn.models.parse_model_args(["kernel_sizes=[31,29"])
+
+
 def test_small_kernel_none_survives_timm_create_model():
     # timm.create_model drops None kwargs; 0 is the spelling that survives, and the spec uses it
     model = _meta("replknet_tiny", small_kernel=0)
@@ -201,11 +216,12 @@ def test_official_wrapped_checkpoint_loads(tmp_path):
     ema = randomize_bn(timm.create_model("replknet_tiny")).eval()
     raw = {k: torch.zeros_like(v) for k, v in ema.state_dict().items()}
     torch.save({"model": raw, "model_ema": ema.state_dict(), "epoch": 3}, tmp_path / "ckpt.pth")
-    loaded = _load("replknet_tiny", tmp_path / "ckpt.pth").eval()  # timm prefers the EMA weights
+    loaded = _load("replknet_tiny", tmp_path / "ckpt.pth").eval()  # timm's file loader asks for the EMA weights
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), ema(x))
-    assert checkpoint_filter_fn({"model": raw, "model_ema": ema.state_dict()}, loaded)["head.weight"].norm() > 0
+    # unasked, lkcnn reads the plain weights (lkcnn.models.select_weights' rule)
+    assert checkpoint_filter_fn({"model": raw, "model_ema": ema.state_dict()}, loaded)["head.weight"].norm() == 0
     torch.save({"state_dict": {f"module.{k}": v for k, v in ema.state_dict().items()}}, tmp_path / "ddp.pth")
     assert torch.equal(_load("replknet_tiny", tmp_path / "ddp.pth").head.weight, ema.head.weight)
 
@@ -272,15 +288,13 @@ def test_info_counts_replknet31b():
 
 
 def test_info_cli(capsys):
-    args = ["replknet_tiny", "--img-size", "64", "--set", "kernel_sizes=[7,7,5,3]", "--set", "small_kernel=None"]
+    args = ["replknet_tiny", "--img-size", "64", "--set", "kernel_sizes=[7,7,5,3]", "--set", "small_kernel=null"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "replknet_tiny" in out and "deploy form" in out and "64x64" in out
-    with pytest.raises(SystemExit):
-        main(["replknet_tiny", "--set", "kernel_sizes"])
+    assert main(["replknet_tiny", "--set", "kernel_sizes"]) == 2
     assert "key=value" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["replknet_tiny", "--set", "kernel_sizes=6"])
+    assert main(["replknet_tiny", "--set", "kernel_sizes=6"]) == 2
     assert "odd" in capsys.readouterr().err
 
 

@@ -2,15 +2,16 @@
 implementation choice and fallback, argument errors, and the build's lock handling."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lkcnn.ops import build, dwconv2d
-from lkcnn.ops.dwconv import conv_impl
+from lkcnn.ops import build, conv_impl, dwconv, dwconv2d, set_conv_impl, sources, use_conv_impl
 
 
 def _rand_case(kh, kw, bias=True):
@@ -113,28 +114,44 @@ def test_bad_arguments_give_clear_errors(kwargs, match):
         dwconv2d(**kwargs)
 
 
+def _fresh_process_env(monkeypatch, value: str) -> None:
+    """LKCNN_CONV_IMPL=value as a new process would see it (the op reads the variable once)."""
+    monkeypatch.setenv("LKCNN_CONV_IMPL", value)
+    monkeypatch.setattr(dwconv, "_env_impl", None)
+
+
 def test_impl_selection(monkeypatch):
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "Torch")
+    _fresh_process_env(monkeypatch, "Torch")
     assert conv_impl() == "torch"
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "triton")
-    with pytest.raises(ValueError, match="auto, cuda, torch"):
-        dwconv2d(torch.randn(1, 2, 5, 5), torch.randn(2, 1, 3, 3))
     monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")
-    with pytest.raises(RuntimeError, match="cannot run: the input is on cpu"):
+    assert conv_impl() == "torch"  # read once: a run's choice does not change under it
+    with use_conv_impl("cuda"):
+        assert conv_impl() == "cuda"
+        with pytest.raises(RuntimeError, match="cannot run: the input is on cpu"):
+            dwconv2d(torch.randn(1, 2, 5, 5), torch.randn(2, 1, 3, 3))
+    assert conv_impl() == "torch"
+    set_conv_impl("auto")
+    assert conv_impl() == "auto"
+    set_conv_impl(None)  # back to the user's default
+    assert conv_impl() == "torch"
+    with pytest.raises(ValueError, match="auto, cuda, torch"):
+        set_conv_impl("triton")
+    _fresh_process_env(monkeypatch, "triton")
+    with pytest.raises(ValueError, match="LKCNN_CONV_IMPL='triton' is not one of auto, cuda, torch"):
         dwconv2d(torch.randn(1, 2, 5, 5), torch.randn(2, 1, 3, 3))
 
 
-def test_auto_falls_back_silently_on_cpu(monkeypatch, recwarn):
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "auto")
+def test_auto_falls_back_silently_on_cpu(recwarn):
     x, w, b = _rand_case(3, 3)
-    torch.testing.assert_close(dwconv2d(x, w, b), F.conv2d(x, w, b, 1, 1, 1, x.shape[1]))
+    with use_conv_impl("auto"):
+        torch.testing.assert_close(dwconv2d(x, w, b), F.conv2d(x, w, b, 1, 1, 1, x.shape[1]))
     assert not [w for w in recwarn if "lkcnn" in str(w.message)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_build_without_gpu_says_why():
     with pytest.raises(build.BuildError, match="no CUDA device"):
-        build._build(verbose=False)
+        build._load(verbose=False)
 
 
 def test_stale_build_lock_is_reported_not_waited_on(tmp_path, monkeypatch):
@@ -152,6 +169,30 @@ def test_build_directory_depends_on_sources_and_arch(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     a, b = build.build_directory("9.0"), build.build_directory("8.0")
     assert a != b and a.parent == tmp_path and a.name.startswith("lkcnn_dwconv_")
+    copy = tmp_path / "csrc"
+    shutil.copytree(sources.csrc_dir(), copy)
+    before = sources.source_digest("2.0", "13.0", "9.0", copy)
+    header = next(p for p in copy.rglob("*.h"))
+    header.write_text(header.read_text() + "\n// edited\n")  # a header edit is a source change too
+    assert sources.source_digest("2.0", "13.0", "9.0", copy) != before
+
+
+def test_prebuilt_extension_is_used_only_when_it_matches(monkeypatch, tmp_path):
+    info = tmp_path / "_prebuilt.json"
+    monkeypatch.setattr(build, "PREBUILT_INFO", info)
+    usable, why = build.prebuilt_status()
+    assert not usable and "LKCNN_BUILD_EXT=1" in why
+    info.write_text(json.dumps({"digest": "0" * 16, "archs": "9.0", "torch": "1.0"}))
+    usable, why = build.prebuilt_status()
+    assert not usable and "built for torch 1.0" in why
+    digest = sources.source_digest(torch.__version__, torch.version.cuda, "9.0")
+    info.write_text(json.dumps({"digest": digest, "archs": "9.0", "torch": torch.__version__}))
+    monkeypatch.setattr(build, "arch_list", lambda: "8.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    usable, why = build.prebuilt_status()
+    assert not usable and "not this GPU's 8.0" in why
+    monkeypatch.setattr(build, "arch_list", lambda: "9.0")
+    assert build.prebuilt_status()[0]
 
 
 def test_single_channel_tall_kernel():

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lkcnn.ops import build, dwconv2d
+from lkcnn.ops import build, dwconv2d, use_conv_impl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,8 +25,9 @@ KERNELS = [(1, 1), (3, 3), (5, 5), (7, 7), (9, 3), (13, 13), (27, 27), (29, 29),
 
 @pytest.fixture(autouse=True)
 def _cuda_only(monkeypatch):
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")
     monkeypatch.setenv("LKCNN_DEBUG_POISON", "1")
+    with use_conv_impl("cuda"):
+        yield
 
 
 def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -353,10 +354,10 @@ def test_cuda_graph_capture(shape, k, layout, dtype):
         assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def test_fallback_is_identical_for_unsupported_configurations(monkeypatch):
+@use_conv_impl("auto")
+def test_fallback_is_identical_for_unsupported_configurations():
     """Non-'same' padding and float64 go to PyTorch under 'auto' with a warning, small kernels without one, all with
     PyTorch's exact results."""
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "auto")
     x = torch.randn(2, 4, 16, 16, device="cuda")
     w = torch.randn(4, 1, 7, 7, device="cuda")
     with pytest.warns(UserWarning, match="falls back"):

@@ -26,11 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
-from lkcnn.ops import build
-from lkcnn.training import sync_batchnorm
-from lkcnn.training.sync_batchnorm import (
+from lkcnn.layers.sync_batchnorm import SyncBatchNorm
+from lkcnn.ops import build, sync_batchnorm
+from lkcnn.ops.sync_batchnorm import (
     ExchangeError,
-    SyncBatchNorm,
     check_nvlink_exchange,
     enable_nvlink_exchange,
     sync_batch_norm,

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lkcnn.ops import build
-from lkcnn.training import sync_batchnorm
-from lkcnn.training.sync_batchnorm import (
+from lkcnn.ops import sync_batchnorm
+from lkcnn.ops.sync_batchnorm import (
     ExchangeError,
     all_reduce_sum,
     check_nvlink_exchange,

@@ -13,16 +13,18 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+import lkcnn.training.distributed as distributed_file
 import lkcnn.training.module as module_file
-from lkcnn.training import ClassificationModule, sync_batchnorm
-from lkcnn.training.errors import ConfigError, user_error_message
-from lkcnn.training.sync_batchnorm import (
+from lkcnn.ops import sync_batchnorm
+from lkcnn.ops.sync_batchnorm import (
     DEFAULT_EXCHANGE_TIMEOUT_S,
     ExchangeError,
     check_nvlink_exchange,
     exchange_failure_message,
-    use_nvlink_exchange,
 )
+from lkcnn.training import ClassificationModule
+from lkcnn.training.distributed import use_nvlink_exchange
+from lkcnn.training.errors import ConfigError, user_error_message
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"name": "replknet_tiny", "num_classes": 4, "kernel_sizes": [3, 3, 3, 3], "small_kernel": 3}
@@ -30,7 +32,7 @@ OPTIM = {"optimizer": {"opt": "adamw", "lr": 1e-3}, "scheduler": {"sched": "cosi
 
 
 def record(reason: int, kind: int, peer: int, size: int, call: int) -> int:
-    """A failure record as csrc/sync_exchange.cu's record_failure writes it."""
+    """A failure record as csrc/sync_bn/sync_exchange.cu's record_failure writes it."""
     return reason << 60 | kind << 56 | peer << 52 | size << 32 | call
 
 
@@ -87,7 +89,7 @@ def test_setup_enables_the_nvlink_exchange_only_when_asked(monkeypatch, recwarn,
             raise RuntimeError("no peer access")
         calls.append((group, timeout_s))
 
-    monkeypatch.setattr(module_file, "enable_nvlink_exchange", enable)
+    monkeypatch.setattr(distributed_file, "enable_nvlink_exchange", enable)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     trainer = SimpleNamespace(world_size=world_size, num_nodes=num_nodes,
                               strategy=SimpleNamespace(root_device=torch.device(device)))

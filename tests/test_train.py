@@ -16,14 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lkcnn.training import (
-    ClassificationModule,
-    ConfigError,
-    PathNotFoundError,
-    build_model,
-    model_factory,
-    resolve_ckpt_path,
-)
+from lkcnn.ops import conv_impl, dwconv
+from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
@@ -34,7 +28,8 @@ _spec.loader.exec_module(train_app)
 TINY_DATA = ["data=synthetic", "data.num_classes=10", "data.img_size=32", "data.num_train=8", "data.num_val=4",
              "data.batch_size=4", "data.num_workers=0"]
 TINY_WIDTH = {"replknet": ["+model.channels=[8,8,16,16]", "+model.depths=[1,1,1,1]"],
-              "convnext": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]"]}
+              "convnext": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]"],
+              "unireplknet": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]", "+model.kernel_sizes=[3,13,13,13]"]}
 MODEL_CONFIGS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 
 
@@ -161,23 +156,23 @@ def test_other_optimizers_train_with_the_fused_default(tmp_path, opt):
 
 def test_a_users_conv_impl_variable_is_not_replaced_silently(tmp_path, monkeypatch):
     """LKCNN_CONV_IMPL exported by the user loses to the config's conv_impl, with a warning that names the override;
-    the value an earlier build exported (a multirun's previous job) is not the user's and warns nothing."""
+    the variable itself is left as the user set it, so a multirun's later jobs see the user's value, not a job's."""
     model = make_cfg(tmp_path, *tiny("replknet_tiny")).model
-    monkeypatch.setattr(model_factory, "_exported", None)
     monkeypatch.setenv("LKCNN_CONV_IMPL", "torch")
+    monkeypatch.setattr(dwconv, "_env_impl", None)  # as a new process sees it: the op reads the variable once
     with pytest.warns(UserWarning, match="pass conv_impl=torch"):
         build_model(model, conv_impl="auto")
-    assert os.environ["LKCNN_CONV_IMPL"] == "auto"
+    assert conv_impl() == "auto" and os.environ["LKCNN_CONV_IMPL"] == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_model(model, conv_impl="torch")
-    assert os.environ["LKCNN_CONV_IMPL"] == "torch"
+    assert conv_impl() == "torch"
 
 
 def test_model_mistakes_are_config_errors(tmp_path):
     cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "conv_impl=torch")
     instantiate(cfg.module)
-    assert os.environ["LKCNN_CONV_IMPL"] == "torch"
+    assert conv_impl() == "torch"
     with pytest.raises(ConfigError, match="conv_impl='triton'"):
         build_model(cfg.model, conv_impl="triton")
     with pytest.raises(ConfigError, match="kernel_sizes"):

@@ -19,13 +19,9 @@ import omegaconf
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
-from timm.models import clean_state_dict
 from torch import nn
 
-LIGHTNING_PREFIX = "model."  # the LightningModule holds the net at attribute `model`
-LIGHTNING_EMA_PREFIX = "model_ema.module."  # timm ModelEmaV3 at attribute `model_ema`, the net at `.module`
-OFFICIAL_KEYS = ("state_dict", "model")  # official RepLKNet / timm-style wrappers, in order of preference
-OFFICIAL_EMA_KEYS = ("state_dict_ema", "model_ema")
+from lkcnn.models import select_weights
 
 # Plain data holders that Hydra (an OmegaConf config in `hyper_parameters`) and the official RepLKNet trainer
 # (argparse `args`) pickle next to the weights. torch's weights-only unpickler refuses them by default; restoring them
@@ -86,36 +82,24 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 
 def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
-    """Read the net's weights (the EMA copy when ``ema``) and the stored model spec from a checkpoint file."""
+    """Read the net's weights and the stored model spec from a checkpoint file: the plain weights, or the EMA copy
+    when ``ema`` (lkcnn.models.select_weights holds this rule and the layouts it reads)."""
     path = Path(path)
     obj = load_file(path)
-    if "pytorch-lightning_version" in obj and isinstance(obj.get("state_dict"), dict):
-        kind = "lightning"
-        prefix = LIGHTNING_EMA_PREFIX if ema else LIGHTNING_PREFIX
-        state_dict = {k[len(prefix):]: v for k, v in obj["state_dict"].items() if k.startswith(prefix)}
-        if not state_dict:
-            what = "EMA weights" if ema else "model weights"
-            hint = "train with EMA enabled or drop --ema" if ema else "was it written by lkcnn's training app?"
-            raise CheckpointError(f"Lightning checkpoint {path} has no {what} (no keys starting with "
-                                  f"'{prefix}'); {hint}")
-    else:
-        keys = OFFICIAL_EMA_KEYS if ema else OFFICIAL_KEYS
-        found = next((k for k in keys if isinstance(obj.get(k), dict)), None)
-        if found is not None:
-            kind, state_dict = "wrapped", obj[found]
-        elif ema:
-            raise CheckpointError(f"checkpoint {path} has no EMA weights (none of {', '.join(keys)}); drop --ema.")
+    try:
+        kind, state_dict = select_weights(obj, ema)
+    except ValueError as e:
+        if ema:
+            hint = "train with EMA enabled or drop --ema" if "pytorch-lightning_version" in obj else "drop --ema"
+        elif "pytorch-lightning_version" in obj:
+            hint = "was it written by lkcnn's training app?"
         else:
-            kind, state_dict = "state_dict", obj
-    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise CheckpointError(f"checkpoint {path} is not a state_dict: entry '{bad[0]}' is a "
-                              f"{type(state_dict[bad[0]]).__name__}, not a tensor. Pass a Lightning checkpoint, a "
-                              "state_dict, or a dict wrapping one under 'model' / 'state_dict'.")
+            hint = "pass a Lightning checkpoint, a state_dict, or a dict wrapping one under 'model' / 'state_dict'"
+        raise CheckpointError(f"checkpoint {path} {e}; {hint}.") from None
     hydra_config = obj.get("hydra_config")
     if isinstance(hydra_config, omegaconf.DictConfig):
         hydra_config = omegaconf.OmegaConf.to_container(hydra_config)
-    return Checkpoint(path, kind, clean_state_dict(state_dict), _spec(obj.get("lkcnn_model"), path),
+    return Checkpoint(path, kind, state_dict, _spec(obj.get("lkcnn_model"), path),
                       hydra_config if isinstance(hydra_config, dict) else None)
 
 

@@ -10,24 +10,54 @@ from timm.models.convnext import checkpoint_filter_fn as timm_convnext_filter
 
 from lkcnn.layers import ReparamLargeKernelConv
 
-# first present wins; EMA first like timm.models.load_state_dict(use_ema=True), which timm's pretrained files go through
-_WRAPPERS = ("state_dict_ema", "model_ema", "state_dict", "model")
-_LIGHTNING_PREFIX = "model."  # a LightningModule holding the net at attribute `model`
+LIGHTNING_PREFIX = "model."  # a LightningModule holding the net at attribute `model`
+LIGHTNING_EMA_PREFIX = "model_ema.module."  # timm's ModelEmaV3 at attribute `model_ema`, the net at `.module`
+WRAPPER_KEYS = ("state_dict", "model")  # official RepLKNet / timm-style wrappers, first present wins
+EMA_WRAPPER_KEYS = ("state_dict_ema", "model_ema")
+
+
+def select_weights(checkpoint: Mapping[str, object], ema: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+    """(layout, the net's tensors) in a checkpoint: "lightning", "wrapped" (official / timm style) or "state_dict";
+    DDP (`module.`) and LightningModule (`model.`) prefixes removed.
+
+    The one EMA rule of lkcnn: a checkpoint's plain weights, unless `ema` asks for its EMA copy, which must then be
+    there (a ValueError, never a silent fallback). Plain is what the official RepLKNet / ConvNeXt trainers load on
+    `--resume` and `--eval`, and what a Lightning checkpoint's `model.*` holds; the EMA copy is a choice the user
+    makes (`lkcnn-export --ema`). timm's pretrained-file loader makes that choice itself: it unwraps files with
+    `timm.models.load_state_dict(use_ema=True)` before checkpoint_filter_fn sees the weights. A ValueError's message
+    reads after "checkpoint <path> ".
+    """
+    state_dict = dict(checkpoint)
+    if "pytorch-lightning_version" in state_dict and isinstance(state_dict.get("state_dict"), Mapping):
+        prefix = LIGHTNING_EMA_PREFIX if ema else LIGHTNING_PREFIX
+        weights = {k[len(prefix):]: v for k, v in state_dict["state_dict"].items() if k.startswith(prefix)}
+        if not weights:
+            raise ValueError(f"has no {'EMA' if ema else 'model'} weights (no keys starting with '{prefix}')")
+        return "lightning", clean_state_dict(weights)
+    kind, keys = "state_dict", EMA_WRAPPER_KEYS if ema else WRAPPER_KEYS
+    while not any(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        key = next((k for k in keys if isinstance(state_dict.get(k), Mapping)), None)
+        if key is None:
+            break
+        kind, state_dict = "wrapped", dict(state_dict[key])
+    if ema and kind != "wrapped":
+        raise ValueError(f"has no EMA weights (none of {', '.join(EMA_WRAPPER_KEYS)})")
+    bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f"is not a state_dict: entry '{bad[0]}' is a {type(state_dict[bad[0]]).__name__}, not a "
+                         f"tensor (top-level keys: {sorted(state_dict)[:10]})")
+    state_dict = clean_state_dict(state_dict)
+    if state_dict and all(k.startswith(LIGHTNING_PREFIX) for k in state_dict):
+        state_dict = {k[len(LIGHTNING_PREFIX):]: v for k, v in state_dict.items()}
+    return kind, state_dict
 
 
 def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, torch.Tensor]:
-    """The tensor dict inside a training checkpoint, without DDP (`module.`) / LightningModule (`model.`) prefixes."""
-    state_dict = dict(checkpoint)
-    while not any(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        key = next((k for k in _WRAPPERS if isinstance(state_dict.get(k), Mapping)), None)
-        if key is None:
-            raise ValueError(f"checkpoint holds no tensors and none of {_WRAPPERS}; top-level keys: "
-                             f"{sorted(state_dict)[:10]}")
-        state_dict = dict(state_dict[key])
-    state_dict = clean_state_dict(state_dict)
-    if all(k.startswith(_LIGHTNING_PREFIX) for k in state_dict):
-        state_dict = {k[len(_LIGHTNING_PREFIX):]: v for k, v in state_dict.items()}
-    return state_dict
+    """The plain weights inside a checkpoint (select_weights' rule), for pretrained filters."""
+    try:
+        return select_weights(checkpoint)[1]
+    except ValueError as err:
+        raise ValueError(f"checkpoint {err}") from None
 
 
 def _deploy_from_training(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -78,8 +108,9 @@ def _check_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
 def checkpoint_filter_fn(state_dict: Mapping[str, object], model: nn.Module) -> dict[str, torch.Tensor]:
     """timm pretrained filter for every lkcnn model.
 
-    Unwraps `state_dict` / `model` / `model_ema`, maps Facebook ConvNeXt keys through timm's own filter, and loads a
-    training-form checkpoint into a deploy-form model by merging its branches. Official RepLKNet keys are lkcnn's keys.
+    Unwraps `state_dict` / `model` (select_weights' rule: the plain weights), maps Facebook ConvNeXt keys through
+    timm's own filter, and loads a training-form checkpoint into a deploy-form model by merging its branches. Official
+    RepLKNet keys are lkcnn's keys.
     """
     state_dict = unwrap_state_dict(state_dict)
     if any(k.startswith("downsample_layers.") for k in state_dict):  # facebookresearch/ConvNeXt layout

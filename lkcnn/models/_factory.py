@@ -1,15 +1,20 @@
-"""Building lkcnn models through timm and recording how to rebuild them (`model.lkcnn_spec`)."""
+"""Building models through timm for every lkcnn tool, and recording how to rebuild them (`model.lkcnn_spec`)."""
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
+import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import timm
 import torch.nn as nn
-from timm.models import build_model_with_cfg
+import yaml
+from timm.models import build_model_with_cfg, model_entrypoint
 
+from lkcnn.errors import UserError
 from lkcnn.layers import ReparamLargeKernelConv
 
 from ._checkpoint import checkpoint_filter_fn
@@ -17,6 +22,90 @@ from ._checkpoint import checkpoint_filter_fn
 # timm plumbing and placement arguments: they do not describe the architecture, so they stay out of the spec
 _NOT_ARCHITECTURE = {"pretrained_cfg", "pretrained_cfg_overlay", "pretrained_strict", "cache_dir", "device", "dtype",
                      "features_only", "feature_cls", "feature_cfg", "out_indices", "output_fmt", "pruned"}
+
+NO_SMALL_KERNEL = 0
+"""`small_kernel` for "no parallel small branch". The layers read None the same way, but lkcnn spells it 0 wherever
+arguments pass through timm.create_model (configs, specs, `--set`): timm drops None-valued keyword arguments, so an
+explicit None would silently bring back the model's default branch."""
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading 1e-5 as a float (YAML 1.1 wants a dot) the way Hydra / OmegaConf do."""
+
+
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+$"),
+                                  list("-+0123456789."))
+
+
+class ModelError(UserError, ValueError):
+    """A model name or argument that cannot build; the message is one line that says what to change."""
+
+
+class UnknownModelError(ModelError):
+    """A name timm does not know; `suggestion` names what to type instead (close names, else lkcnn's models)."""
+
+    def __init__(self, name: Any) -> None:
+        self.name = name
+        ours = list_models()
+        text = name if isinstance(name, str) else ""
+        close = difflib.get_close_matches(text, ours, n=3) or difflib.get_close_matches(text, timm.list_models(), n=3)
+        self.suggestion = (f"did you mean {', '.join(close)}?" if close else
+                           f"lkcnn's models are {', '.join(ours)}; any name in timm.list_models() works too")
+        super().__init__(f"unknown model {name!r}: {self.suggestion}")
+
+
+def list_models() -> list[str]:
+    """Names of the timm models that lkcnn registers: the one list of lkcnn's models."""
+    return [n for n in timm.list_models() if model_entrypoint(n).__module__.startswith(__package__)]
+
+
+def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.Module:
+    """`timm.create_model(name, **kwargs)`, the way every lkcnn tool builds a model.
+
+    `name_or_spec` is a timm name or an `lkcnn_spec` ({"name", "kwargs"}, whose kwargs `kwargs` extend). On top of
+    timm: small_kernel=None keeps its meaning (NO_SMALL_KERNEL), every model gets `lkcnn_spec` (lkcnn's models record
+    it themselves; for any other timm model it is the name and kwargs, which rebuild it just as well), and an unknown
+    name or an argument the architecture rejects raises ModelError in one line.
+    """
+    if isinstance(name_or_spec, Mapping):
+        name, kwargs = name_or_spec.get("name"), {**name_or_spec.get("kwargs", {}), **kwargs}
+    else:
+        name = name_or_spec
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise UnknownModelError(name)
+    kwargs = spell_small_kernel(kwargs)
+    try:
+        model = timm.create_model(name, **kwargs)
+    except (TypeError, ValueError) as err:  # an unknown keyword or a value the architecture rejects
+        message = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ModelError(f"model {name!r} does not accept {kwargs}: {message}") from err
+    if not hasattr(model, "lkcnn_spec"):
+        model.lkcnn_spec = {"name": name, "kwargs": _jsonable(kwargs)}
+    return model
+
+
+def parse_model_args(items: Iterable[str]) -> dict[str, Any]:
+    """Command-line `--set key=value` strings -> model kwargs. Values are read as YAML, as Hydra reads overrides:
+    `10`, `true`, `[31,29,27,13]`, `null` (None), anything else is text."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ModelError(f"--set expects key=value with a model argument name as key, got {item!r} "
+                             "(e.g. --set kernel_sizes=[31,29,27,13])")
+        try:
+            out[key] = yaml.load(value, Loader=_YamlLoader)
+        except yaml.YAMLError:
+            raise ModelError(f"--set {item!r}: the value is not YAML; write e.g. 7, [31,29,27,13], true, null or "
+                             "a quoted string") from None
+    return out
+
+
+def spell_small_kernel(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`kwargs` with a small_kernel of None (or any false value) spelled NO_SMALL_KERNEL (see there)."""
+    if "small_kernel" in kwargs and not kwargs["small_kernel"]:
+        return {**kwargs, "small_kernel": NO_SMALL_KERNEL}
+    return dict(kwargs)
 
 
 def _jsonable(value: Any) -> Any:
@@ -55,19 +144,15 @@ class LkcnnModel:
 
 
 def spec_kwargs(model_cls: type, model_args: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The user's architecture kwargs that differ from the entrypoint's defaults, JSON-ready.
-
-    small_kernel=None is recorded as 0 because timm.create_model drops None-valued kwargs.
-    """
+    """The user's architecture kwargs that differ from the entrypoint's defaults, JSON-ready (no small kernel as
+    NO_SMALL_KERNEL)."""
     defaults = {name: p.default for name, p in inspect.signature(model_cls.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
-    defaults.update(model_args)
+    defaults = spell_small_kernel({**defaults, **model_args})
     out = {}
-    for key, value in kwargs.items():
+    for key, value in spell_small_kernel(kwargs).items():
         if key in _NOT_ARCHITECTURE or _jsonable(value) == _jsonable(defaults.get(key, inspect.Parameter.empty)):
             continue
-        if key == "small_kernel" and not value:
-            value = 0
         try:
             json.dumps(_jsonable(value))
         except TypeError:
@@ -81,8 +166,6 @@ def spec_kwargs(model_cls: type, model_args: dict[str, Any], kwargs: dict[str, A
 def create_lkcnn_model(model_cls: type, variant: str, pretrained: bool, model_args: dict[str, Any],
                        kwargs: dict[str, Any], **build_kwargs: Any) -> nn.Module:
     """timm's build_model_with_cfg (pretrained files, features_only) plus the rebuild spec."""
-    if kwargs.get("small_kernel") == 0:  # 0 is the create_model-safe spelling of "no small kernel"
-        kwargs = dict(kwargs, small_kernel=None)
     model = build_model_with_cfg(
         model_cls, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,

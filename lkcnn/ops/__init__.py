@@ -3,9 +3,19 @@
 `dwconv2d(x, weight, bias=None, padding=None)` is the one entry point; it is backed by the registered ops
 `torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight`, and two variants that share layout
 copies in channels_last training: `dwconv2d_fwd_keep` (the output and the NCHW copy of x, saved for the weight
-gradient) and `dwconv2d_bwd` (both gradients from one call).
+gradient) and `dwconv2d_bwd` (both gradients from one call). Which implementation runs (lkcnn's CUDA kernels or
+PyTorch's convolution) is `set_conv_impl` / `use_conv_impl`'s choice, LKCNN_CONV_IMPL the user's default.
 """
 from .build import BuildError
-from .dwconv import conv_impl, cuda_unsupported_reason, dwconv2d, implementation
+from .dwconv import (
+    conv_impl,
+    conv_impl_from_env,
+    cuda_unsupported_reason,
+    dwconv2d,
+    implementation,
+    set_conv_impl,
+    use_conv_impl,
+)
 
-__all__ = ["BuildError", "conv_impl", "cuda_unsupported_reason", "dwconv2d", "implementation"]
+__all__ = ["BuildError", "conv_impl", "conv_impl_from_env", "cuda_unsupported_reason", "dwconv2d", "implementation",
+           "set_conv_impl", "use_conv_impl"]

@@ -5,14 +5,17 @@ FlopCounterMode see one op per pass. Two variants serve channels_last training, 
 copies: `dwconv2d_fwd_keep` also returns the forward's copy of x, which autograd saves for the weight gradient, and
 `dwconv2d_bwd` runs both backward passes on one copy of the gradient. Each op runs lkcnn's CUDA kernels when the
 tensors are on a GPU and the configuration is supported, and PyTorch's convolution otherwise.
-`LKCNN_CONV_IMPL=auto|cuda|torch` forces a choice: `cuda` raises when the kernels cannot run, `auto` falls back with
-one warning naming the reason (and sends kernels under AUTO_MIN_KERNEL to PyTorch without one).
+The implementation is a choice, `auto|cuda|torch`: `set_conv_impl` / `use_conv_impl` make it, LKCNN_CONV_IMPL is the
+user's default. `cuda` raises when the kernels cannot run, `auto` falls back with one warning naming the reason (and
+sends kernels under AUTO_MIN_KERNEL to PyTorch without one).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -26,15 +29,50 @@ MAX_KERNEL = 63
 # Under 'auto', kernels smaller than this go to PyTorch (cuDNN beats lkcnn's kernels on them in fp16/bf16 on the
 # H100: docs/performance.md); 'cuda' still runs lkcnn's kernels for any size.
 AUTO_MIN_KERNEL = 7
+ENV_VAR = "LKCNN_CONV_IMPL"
 _warned: set[str] = set()
+_env_impl: str | None = None  # LKCNN_CONV_IMPL as read at the first call that needed it ("" when unset)
+_chosen: str | None = None  # set_conv_impl's choice; None: the user's default
+
+
+def conv_impl_from_env() -> str | None:
+    """LKCNN_CONV_IMPL, lower-cased (None when unset or empty): the user's default, unchecked. Read once, at the first
+    call that needs it, so the op's hot path reads no environment and a run's choice cannot change under it."""
+    global _env_impl
+    if _env_impl is None:
+        _env_impl = os.environ.get(ENV_VAR, "").strip().lower()
+    return _env_impl or None
 
 
 def conv_impl() -> str:
-    """The implementation chosen by LKCNN_CONV_IMPL (default 'auto')."""
-    impl = os.environ.get("LKCNN_CONV_IMPL", "auto").strip().lower() or "auto"
+    """The implementation in force: set_conv_impl's choice, else LKCNN_CONV_IMPL, else 'auto'."""
+    if _chosen is not None:
+        return _chosen
+    impl = conv_impl_from_env() or "auto"
     if impl not in IMPLS:
-        raise ValueError(f"LKCNN_CONV_IMPL={impl!r} is not one of {', '.join(IMPLS)}")
+        raise ValueError(f"{ENV_VAR}={impl!r} is not one of {', '.join(IMPLS)}")
     return impl
+
+
+def set_conv_impl(impl: str | None) -> None:
+    """Choose the implementation for the whole process ('auto', 'cuda' or 'torch'); None returns to the user's
+    default (LKCNN_CONV_IMPL, else 'auto'). Every op call reads it when it runs; choose before torch.compile, whose
+    trace fixes whether dwconv2d_fwd_keep returns its NCHW copy (its fake asks `implementation`)."""
+    global _chosen
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"conv_impl={impl!r} is not one of {', '.join(IMPLS)}")
+    _chosen = impl
+
+
+@contextlib.contextmanager
+def use_conv_impl(impl: str | None) -> Iterator[None]:
+    """`with use_conv_impl("torch"): ...`: set_conv_impl for the block, then the previous choice again."""
+    previous = _chosen
+    set_conv_impl(impl)
+    try:
+        yield
+    finally:
+        set_conv_impl(previous)
 
 
 def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int]) -> str | None:
@@ -87,8 +125,9 @@ def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
     impl, reason = _choose(x, kernel_size, padding)
     if reason is not None:
         if conv_impl() == "cuda":
-            raise RuntimeError(f"LKCNN_CONV_IMPL=cuda, but lkcnn's CUDA kernel cannot run: {reason}. "
-                               "Use LKCNN_CONV_IMPL=auto to fall back to PyTorch.")
+            raise RuntimeError(f"the conv implementation is forced to cuda (LKCNN_CONV_IMPL=cuda, conv_impl=cuda or "
+                               f"lkcnn.ops.set_conv_impl), but lkcnn's CUDA kernel cannot run: {reason}. Choose "
+                               "'auto' to fall back to PyTorch.")
         if x.is_cuda and reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"lkcnn dwconv2d falls back to PyTorch's convolution: {reason}", stacklevel=3)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-# compiled in this order; every other file in csrc/ is a header they include
-SOURCES = ("bindings.cpp", "sync_batchnorm.cpp", "sync_exchange.cu", "dwconv_fwd.cu", "dwconv_wgrad.cu",
-           "dwconv_fwd_tc.cu", "dwconv_wgrad_tc.cu", "dwconv_small.cu", "dwconv_map_tc.cu", "dwconv_fwd_strip.cu",
-           "layout.cu")
+# compiled in this order, relative to csrc/ (one folder per op family, each with its own bindings); every other
+# file there is a header they include. Object files are named by base name, so base names are unique.
+SOURCES = ("extension.cpp",
+           "dwconv/dwconv_bindings.cpp", "dwconv/dwconv_fwd.cu", "dwconv/dwconv_wgrad.cu", "dwconv/dwconv_fwd_tc.cu",
+           "dwconv/dwconv_wgrad_tc.cu", "dwconv/dwconv_small.cu", "dwconv/dwconv_map_tc.cu",
+           "dwconv/dwconv_fwd_strip.cu", "dwconv/layout.cu",
+           "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu")
 HEADER_SUFFIXES = (".h", ".cuh")
 CXX_FLAGS = ("-O3",)
 CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
@@ -33,14 +36,15 @@ def csrc_dir() -> Path:
 def source_files(directory: Path | None = None) -> list[Path]:
     """Every file the build reads: the compiled sources and the headers beside them."""
     directory = directory or csrc_dir()
-    headers = sorted(p for p in directory.iterdir() if p.suffix in HEADER_SUFFIXES)
+    headers = sorted(p for p in directory.rglob("*") if p.suffix in HEADER_SUFFIXES)
     return [directory / name for name in SOURCES] + headers
 
 
 def source_digest(torch_version: str, cuda_version: str | None, archs: str, directory: Path | None = None) -> str:
     """A hash of the sources, the flags, torch, CUDA and the target architectures: one build per distinct input."""
     digest = hashlib.sha256()
-    for path in sorted(source_files(directory), key=lambda p: p.name):
-        digest.update(path.name.encode() + path.read_bytes())
+    directory = directory or csrc_dir()
+    for path in sorted(source_files(directory)):
+        digest.update(path.relative_to(directory).as_posix().encode() + path.read_bytes())
     digest.update(f"{torch_version}|{cuda_version}|{archs}|{CXX_FLAGS}|{CUDA_FLAGS}".encode())
     return digest.hexdigest()[:16]

@@ -5,9 +5,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-
-class UserError(Exception):
-    """Base of the errors whose message says what to change; nothing below it is a bug."""
+from lkcnn.errors import UserError
 
 
 class ConfigError(UserError, ValueError):

@@ -15,9 +15,8 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -25,16 +24,13 @@ from timm.scheduler.scheduler import Scheduler
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from lkcnn.ops.sync_batchnorm import DEFAULT_EXCHANGE_TIMEOUT_S, check_nvlink_exchange
+
+from .distributed import compile_as_one_graph_under_ddp, configure_sync_bn_exchange, use_nvlink_exchange
 from .ema import ModelEma
 from .errors import ConfigError
 from .model_factory import build_model
 from .seeding import reseed_globals
-from .sync_batchnorm import (
-    DEFAULT_EXCHANGE_TIMEOUT_S,
-    check_nvlink_exchange,
-    enable_nvlink_exchange,
-    use_nvlink_exchange,
-)
 
 # the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -48,7 +44,7 @@ class ClassificationModule(L.LightningModule):
         optim: `conf/optim/*.yaml` node: `optimizer` (create_optimizer_v2 kwargs, `lr` for a total batch of
             `lr_base_batch` when that is set, else as is) and `scheduler` (create_scheduler_v2 kwargs), stepped
             every iteration.
-        conv_impl: large-kernel conv implementation (auto|cuda|torch), exported as LKCNN_CONV_IMPL.
+        conv_impl: large-kernel conv implementation (auto|cuda|torch), chosen with lkcnn.ops.set_conv_impl.
         ema: timm ModelEmaV3 kwargs (decay, use_warmup, ...) for lkcnn.training.ema.ModelEma, or None; the EMA
             weights are validated too.
         seed: run seed; every epoch re-seeds torch/numpy/random from (seed, epoch, rank) so resumes repeat.
@@ -89,12 +85,7 @@ class ClassificationModule(L.LightningModule):
         if self.model_ema is not None:  # its deep copy still requires grad, which DDP reports as unused parameters
             self.model_ema.requires_grad_(False)
         if compile:
-            # Under DDP, dynamo by default splits the graph at DDP's gradient buckets (DDPOptimizer) to overlap the
-            # all-reduce with the backward; in the split graphs BatchNorm's running-statistics updates count as
-            # mutated inputs, and inductor then runs them without CUDA graphs (pytorch/pytorch#139207). One graph
-            # gives up the overlap, which is cheap here: RepLKNet-31B's whole gradient all-reduces in ~1.1 ms on
-            # two H200s (docs/performance.md), against a ~60 ms step.
-            torch._dynamo.config.optimize_ddp = False
+            compile_as_one_graph_under_ddp()
             try:  # in place: state_dict keys stay model.<official keys>
                 self.model.compile(mode=None if compile is True else compile)
             except RuntimeError as err:  # torch.compile checks the mode when it is called
@@ -112,24 +103,10 @@ class ClassificationModule(L.LightningModule):
         return self.model(images.contiguous(memory_format=self.memory_format))
 
     def setup(self, stage: str) -> None:
-        # With module.sync_bn_exchange=lkcnn, compiled on several GPUs of one machine, SyncBatchNorm's exchanges (two
-        # per layer, on the critical path of the step) go through lkcnn's NVLink kernels instead of NCCL
-        # (lkcnn.training.sync_batchnorm); by default, and on several machines, they stay on NCCL.
         trainer, hp = self.trainer, self.hparams
-        wanted, why_not = use_nvlink_exchange(hp.sync_bn_exchange, compiled=bool(hp.compile),
-                                              world_size=trainer.world_size, num_nodes=trainer.num_nodes,
-                                              device_type=trainer.strategy.root_device.type)
-        if not (wanted and dist.is_initialized()):
-            if why_not:
-                rank_zero_warn(f"module.sync_bn_exchange=lkcnn: SyncBatchNorm stays on NCCL: {why_not}")
-            return
-        try:
-            enable_nvlink_exchange(dist.group.WORLD, hp.sync_bn_exchange_timeout_s)
-        except RuntimeError as err:  # e.g. GPUs without peer access: NCCL still works
-            rank_zero_warn(f"SyncBatchNorm stays on NCCL: the NVLink exchange cannot be set up ({err})")
-        else:
-            rank_zero_info("SyncBatchNorm exchanges statistics over NVLink (symmetric memory), each wait bounded by "
-                           f"{hp.sync_bn_exchange_timeout_s:g} s")
+        configure_sync_bn_exchange(hp.sync_bn_exchange, hp.sync_bn_exchange_timeout_s, compiled=bool(hp.compile),
+                                   world_size=trainer.world_size, num_nodes=trainer.num_nodes,
+                                   device_type=trainer.strategy.root_device.type)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         check_nvlink_exchange()  # raises ExchangeError once an NVLink exchange has failed (no GPU synchronization)

@@ -1,11 +1,9 @@
-// Python binding of the CUDA kernels and of the synchronized BatchNorm. The kernels write into tensors the caller
-// allocates (lkcnn/ops/dwconv.py), which keeps memory formats and the tests' output poisoning in one place on the
-// Python side.
+// Python binding of the depthwise-convolution kernels (registered by csrc/extension.cpp). The kernels write into
+// tensors the caller allocates (lkcnn/ops/dwconv.py), which keeps memory formats and the tests' output poisoning in
+// one place on the Python side.
 #include <torch/extension.h>
 
 #include "dwconv.h"
-#include "sync_batchnorm.h"
-#include "sync_exchange.h"
 
 namespace lkcnn {
 
@@ -150,8 +148,8 @@ std::string path_name(const at::Tensor& x, int64_t kh, int64_t kw, bool forward)
 }  // namespace
 }  // namespace lkcnn
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lkcnn large-kernel depthwise convolution CUDA kernels";
+void bind_dwconv(pybind11::module_& m) {
+  namespace py = pybind11;
   m.def("fwd", &lkcnn::fwd, "y = dwconv(x, w) + bias, written into y; with flip, the correlation with the flipped "
         "kernel (the input gradient)", py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("ph"),
         py::arg("pw"), py::arg("flip"));
@@ -167,26 +165,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("path", &lkcnn::path_name, "which kernels run the forward (or the weight gradient) of x (N, C, H, W) with a "
         "kh x kw kernel: 'map_tc' (whole-map tensor-core), 'small' (whole-map FMA), 'strip' or 'tiled'", py::arg("x"),
         py::arg("kh"), py::arg("kw"), py::arg("forward") = true);
-  m.def("sync_batch_norm", &lkcnn::sync_batch_norm,
-        "training-mode BatchNorm with batch statistics over a process group (autograd-aware)", py::arg("input"),
-        py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("eps"),
-        py::arg("momentum"), py::arg("group_name"));
-  m.def("exchange_workspace_bytes", &lkcnn::exchange_workspace_bytes,
-        "bytes of the symmetric-memory workspace each of `world` ranks allocates for the exchanges", py::arg("world"));
-  m.def("exchange_max_values", &lkcnn::exchange_max_values, "the most values exchange_sum takes");
-  m.def("exchange_max_channels", &lkcnn::exchange_max_channels, "the most channels exchange_batch_norm_stats takes");
-  m.def("exchange_status_word", &lkcnn::exchange_status_word,
-        "a one-word int64 CPU tensor in mapped host memory, 0, where the exchanges record their first failure");
-  // without the GIL: a launch can block on a full queue behind a waiting exchange, and the host's watchdog thread
-  // (lkcnn/training/sync_batchnorm.py) must still run
-  m.def("exchange_sum", &lkcnn::exchange_sum, "out = the sum over the ranks of input, through the workspaces `peers`; "
-        "each wait gives up after timeout_s, recording the failure in the word at `status`", py::arg("input"),
-        py::arg("out"), py::arg("peers"), py::arg("rank"), py::arg("status"), py::arg("timeout_s"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("exchange_batch_norm_stats", &lkcnn::exchange_batch_norm_stats,
-        "the ranks' batch statistics combined (mean_out, invstd_out) and the running statistics updated; failures "
-        "as exchange_sum's", py::arg("mean"), py::arg("var"), py::arg("running_mean"), py::arg("running_var"),
-        py::arg("mean_out"), py::arg("invstd_out"), py::arg("momentum"), py::arg("eps"), py::arg("count"),
-        py::arg("peers"), py::arg("rank"), py::arg("status"), py::arg("timeout_s"),
-        py::call_guard<py::gil_scoped_release>());
 }

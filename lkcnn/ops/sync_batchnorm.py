@@ -1,12 +1,13 @@
-"""Synchronized BatchNorm that keeps the host ahead of the GPU, and the Lightning plugin that installs it.
+"""Synchronized BatchNorm's ops: the C++ autograd function, its traceable form, and the statistics exchanges.
 
 Why not torch.nn.SyncBatchNorm as is: a DDP step of RepLKNet-31B runs ~200 BatchNorms, and torch's synchronized
 forward and backward are Python around PyTorch's kernels and collectives. That costs host time in every layer (and
 its forward also makes the host wait for the GPU once per layer, by boolean indexing: pytorch/pytorch#78549): on
 2x H200 it turned 2 GPUs into 0.93x of one, and even without the wait the host needed ~0.7 ms per layer, more per
 step than the GPU. lkcnn's version issues the same kernels and collectives from one C++ autograd function
-(csrc/sync_batchnorm.cpp, built with the convolution kernels). Eval mode and one process run plain BatchNorm; CPU
+(csrc/sync_bn/sync_batchnorm.cpp, built with the convolution kernels). Eval mode and one process run plain BatchNorm; CPU
 tensors, empty inputs, or a machine where the extension cannot be built run torch.nn.SyncBatchNorm's own forward.
+The module is lkcnn.layers.SyncBatchNorm; the Lightning plugin that installs it is in lkcnn.training.distributed.
 
 Under torch.compile, `traceable_sync_batch_norm` runs instead: the same arithmetic as tensor ops, which inductor
 fuses with the layers around them as it fuses BatchNorm on one GPU, around one exchange of the ranks' statistics in
@@ -15,7 +16,7 @@ is (autograd through var_mean made seven reductions of the gradient, against two
 ops, so that dynamo keeps them in the graph whichever path they take. With `mode="reduce-overhead"` the whole step,
 collectives included, is replayed as CUDA graphs, so a DDP step needs no host time per layer. The exchanges go
 through NCCL, or, where the config asks for it (`module.sync_bn_exchange=lkcnn`) and `enable_nvlink_exchange` has set
-up symmetric memory on the GPUs of one machine, through lkcnn's own kernels (csrc/sync_exchange.cu): one kernel per
+up symmetric memory on the GPUs of one machine, through lkcnn's own kernels (csrc/sync_bn/sync_exchange.cu): one kernel per
 exchange that pushes the values to the other GPUs over NVLink and, in the forward, also combines the statistics and
 updates the running ones. Per 8 KB in a CUDA graph on 2x H200 that takes 2.7 us, against NCCL's 16-18 us and
 symmetric memory's one-shot all-reduce's 6.4 us plus the kernels around it (scripts/allreduce_bw.py,
@@ -28,17 +29,15 @@ import os
 import sys
 import threading
 import time
-import warnings
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
-from torch import Tensor, nn
+from torch import Tensor
 
-from lkcnn.ops import build
+from lkcnn.errors import UserError
 
-from .errors import UserError
+from . import build
 
 
 def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
@@ -131,8 +130,6 @@ class _Normalize(torch.autograd.Function):
         return grad_x.to(x.dtype), None, None, grad_weight, grad_bias, None, None
 
 
-# module.sync_bn_exchange: where SyncBatchNorm's statistics travel under torch.compile
-EXCHANGES = ("torch", "lkcnn")
 # How long an NVLink exchange waits for a peer. A peer is late for host reasons too: the ranks compile the first
 # steps (about 3 minutes on the H200 machine) and load data at their own pace, and only the gradient all-reduce at
 # each step's end evens them out. A few seconds would fail healthy runs; a minute still ends a dead peer's run
@@ -142,27 +139,7 @@ DEFAULT_EXCHANGE_TIMEOUT_S = 60.0
 _WATCHDOG_GRACE_S = 15.0
 
 
-def use_nvlink_exchange(setting: str, *, compiled: bool, world_size: int, num_nodes: int,
-                        device_type: str) -> tuple[bool, str]:
-    """Whether a run sets up lkcnn's NVLink exchange, and if not, why (empty when the config did not ask for it).
-
-    Only where asked (`module.sync_bn_exchange=lkcnn`), compiled (eager SyncBatchNorm runs the C++ function on NCCL),
-    on several GPUs of one machine; several machines keep NCCL.
-    """
-    if setting not in EXCHANGES:
-        raise ValueError(f"module.sync_bn_exchange={setting!r}: use one of {', '.join(EXCHANGES)}")
-    if setting == "torch":
-        return False, ""
-    if not compiled:
-        return False, "it serves compiled runs only: add module.compile=reduce-overhead (or true)"
-    if device_type != "cuda" or world_size < 2:
-        return False, "it needs several GPUs"
-    if num_nodes > 1:
-        return False, f"the run spans {num_nodes} machines, and NVLink joins the GPUs of one"
-    return True, ""
-
-
-# The failure record's fields (csrc/sync_exchange.cu): bits 60-63, 56-59, 52-55, 32-51, 0-31.
+# The failure record's fields (csrc/sync_bn/sync_exchange.cu): bits 60-63, 56-59, 52-55, 32-51, 0-31.
 _REASONS = {1: "timeout", 2: "peer failed", 3: "diverged"}
 _KINDS = {1: "sum", 2: "stats"}
 
@@ -318,36 +295,3 @@ def all_reduce_sum(t: Tensor, group_name: str) -> Tensor:
 @all_reduce_sum.register_fake
 def _(t, group_name):
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-class SyncBatchNorm(nn.SyncBatchNorm):
-    """torch.nn.SyncBatchNorm whose distributed training forward and backward run in C++ (module docstring)."""
-
-    def forward(self, input: Tensor) -> Tensor:
-        # group.size(), not dist.get_world_size(group): this runs ~200 times per step, and the latter's Python (and
-        # torch.nn.SyncBatchNorm.forward asking again) took ~12 ms per step under cProfile on one GPU (session 4)
-        group = (self.process_group or dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
-        if not (self.training and group is not None and group.size() > 1):
-            return nn.modules.batchnorm._BatchNorm.forward(self, input)  # nothing to synchronize: plain BatchNorm
-        if not (input.is_cuda and input.numel() > 0 and self.track_running_stats and self.momentum is not None):
-            return super().forward(input)
-        self._check_input_dim(input)
-        try:
-            out = sync_batch_norm(input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
-                                  self.momentum, group)
-        except build.BuildError as err:
-            warnings.warn(f"lkcnn SyncBatchNorm falls back to torch.nn.SyncBatchNorm (slower): {err}", stacklevel=2)
-            return super().forward(input)
-        self.num_batches_tracked.add_(1)
-        return out
-
-
-class SyncBatchNormPlugin(TorchSyncBatchNorm):
-    """Lightning's `sync_batchnorm` plugin, converting to lkcnn's SyncBatchNorm (reverting like Lightning's)."""
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        model = super().apply(model)  # torch.nn.SyncBatchNorm modules with the BatchNorms' state
-        for module in model.modules():
-            if type(module) is nn.SyncBatchNorm:
-                module.__class__ = SyncBatchNorm  # a subclass with no state of its own: only forward changes
-        return model
