@@ -80,6 +80,7 @@ def test_model_without_branches_is_marked_deployed():
 
 def test_every_registered_model_is_covered():
     covered = {"replknet_tiny", "replknet31b", "replknet31l", "replknet_xl", "convnext_lk_tiny"}
+    covered |= {f"unireplknet_{v}" for v in ("a", "f", "p", "n", "t", "s", "b", "l", "xl")}  # test_unireplknet.py
     assert set(lkcnn.models.list_models()) == covered
 
 

@@ -11,6 +11,7 @@ from ._factory import (
 )
 from .convnext_lk import ConvNeXtLK
 from .replknet import RepLKNet
+from .unireplknet import UniRepLKNet  # noqa: F401  (registers unireplknet_*)
 
 __all__ = ["NO_SMALL_KERNEL", "ConvNeXtLK", "LkcnnModel", "ModelError", "RepLKNet", "UnknownModelError", "build_model",
            "checkpoint_filter_fn", "list_models", "parse_model_args", "select_weights"]

@@ -1,0 +1,149 @@
+"""UniRepLKNet's layers (Ding et al., "UniRepLKNet", CVPR 2024; github AILab-CVC/UniRepLKNet) with the official
+module names, so official state dicts load by key: the Dilated Reparam Block (a large depthwise conv plus parallel
+dilated depthwise branches, each with a BatchNorm), squeeze-and-excitation and GRN.
+
+The large kernel and the dilated branches run through lkcnn's `dwconv2d` op (a dilated k x k branch with dilation r
+is the same conv as a dense, sparse ((k-1)r+1)^2 kernel), so they get lkcnn's CUDA kernels on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lkcnn.ops import dwconv2d
+
+from .fuse import dilate_kernel, fuse_bn, pad_to
+from .large_kernel_conv import LargeKernelConv, to_kernel_size
+from .reparam_conv import resolve_dilated_branches
+
+
+class DilatedDWConv(LargeKernelConv):
+    """Depthwise 'same' conv with dilation r; state (weight (C,1,k,k)) is nn.Conv2d's, like the official branch.
+
+    On a CUDA device it calls `dwconv2d` with the dilated kernel expanded to its dense ((k-1)r+1)^2 form (lkcnn's
+    kernels take dense kernels). Elsewhere `dwconv2d` would run PyTorch's convolution anyway, so the branch runs as
+    PyTorch's dilated convolution directly: the same function without multiplying the zeros between taps (and
+    FlopCounterMode then counts the true k^2 taps).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, dilation: int = 1, bias: bool = False,
+                 device=None, dtype=None) -> None:
+        k = to_kernel_size(kernel_size)
+        super().__init__(channels, k, bias=bias, padding=(dilation * (k[0] // 2), dilation * (k[1] // 2)),
+                         device=device, dtype=dtype)
+        self.dilation = (dilation, dilation)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (C,1,(k-1)r+1,(k-1)r+1) kernel with zeros between the taps: what lkcnn's op runs."""
+        return dilate_kernel(self.weight, self.dilation[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dilation == (1, 1) or x.is_cuda:
+            return dwconv2d(x, self.dense_weight(), self.bias, self.padding)
+        return F.conv2d(x, self.weight, self.bias, padding=self.padding, dilation=self.dilation, groups=self.groups)
+
+
+class DilatedReparamBlock(nn.Module):
+    """UniRepLKNet's large-kernel depthwise conv: `lk_origin` (KxK) + `origin_bn`, plus `dil_conv_k{k}_{r}` +
+    `dil_bn_k{k}_{r}` per dilated branch (UniRepLKNet's table for K), summed.
+
+    `reparameterize()` folds every BatchNorm and merges the branches into `lk_origin` with a bias, in place, which
+    is the module built with deploy=True (the official deploy keys: `lk_origin.weight`, `lk_origin.bias`).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, deploy: bool = False) -> None:
+        super().__init__()
+        self.channels = channels
+        self.kernel_size = to_kernel_size(kernel_size)
+        self.branches = resolve_dilated_branches(self.kernel_size, True)
+        self.deploy = deploy
+        self.lk_origin = LargeKernelConv(channels, self.kernel_size, bias=deploy)
+        if deploy:
+            return
+        self.origin_bn = nn.BatchNorm2d(channels)
+        for k, r in self.branches:
+            self.add_module(f"dil_conv_k{k}_{r}", DilatedDWConv(channels, k, r))
+            self.add_module(f"dil_bn_k{k}_{r}", nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deploy:
+            return self.lk_origin(x)
+        out = self.origin_bn(self.lk_origin(x))
+        for k, r in self.branches:
+            out = out + getattr(self, f"dil_bn_k{k}_{r}")(getattr(self, f"dil_conv_k{k}_{r}")(x))
+        return out
+
+    @torch.no_grad()
+    def get_equivalent_kernel_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (C,1,K,K) kernel and (C,) bias equal to the sum of the BN-folded branches (eval mode)."""
+        kernel, bias = fuse_bn(self.lk_origin.weight, self.origin_bn, self.lk_origin.bias)
+        for k, r in self.branches:
+            conv, bn = getattr(self, f"dil_conv_k{k}_{r}"), getattr(self, f"dil_bn_k{k}_{r}")
+            w, b = fuse_bn(conv.weight, bn)
+            kernel = kernel + pad_to(dilate_kernel(w, r), self.kernel_size)
+            bias = bias + b
+        return kernel, bias
+
+    def reparameterize(self) -> None:
+        """Merge the branches into `lk_origin` (with bias) in place; a no-op when already deployed."""
+        if self.deploy:
+            return
+        kernel, bias = self.get_equivalent_kernel_bias()
+        self.lk_origin = LargeKernelConv(self.channels, self.kernel_size, bias=True,
+                                         device=kernel.device, dtype=kernel.dtype)
+        self.lk_origin.weight.data.copy_(kernel)
+        self.lk_origin.bias.data.copy_(bias)
+        del self.origin_bn
+        for k, r in self.branches:
+            delattr(self, f"dil_conv_k{k}_{r}")
+            delattr(self, f"dil_bn_k{k}_{r}")
+        self.deploy = True
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, kernel_size={self.kernel_size}, branches={self.branches}, " \
+               f"deploy={self.deploy}"
+
+
+class SEBlock(nn.Module):
+    """Squeeze-and-excitation (Hu et al., SENet) with 1x1 convs `down` / `up` and ReLU, as UniRepLKNet has it."""
+
+    def __init__(self, channels: int, internal: int) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(channels, internal, 1, bias=True)
+        self.up = nn.Conv2d(internal, channels, 1, bias=True)
+        self.nonlinear = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.up(self.nonlinear(self.down(F.adaptive_avg_pool2d(x, 1))))
+        return x * torch.sigmoid(s)
+
+
+class GRN(nn.Module):
+    """Global Response Normalization (ConvNeXt V2) on NHWC inputs; `beta` is absent in the deploy form, where it is
+    folded into the next linear layer's bias."""
+
+    def __init__(self, dim: int, use_bias: bool = True) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.zeros(1, 1, 1, dim))
+        self.beta = nn.Parameter(torch.zeros(1, 1, 1, dim)) if use_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gx = torch.norm(x, p=2, dim=(1, 2), keepdim=True)
+        nx = gx / (gx.mean(dim=-1, keepdim=True) + 1e-6)
+        out = (self.gamma * nx + 1) * x
+        return out + self.beta if self.beta is not None else out
+
+
+class NCHWtoNHWC(nn.Module):
+    """Layout permute as a module: it holds the official Sequential indices (`pwconv1.1` is the linear layer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 2, 3, 1)
+
+
+class NHWCtoNCHW(nn.Module):
+    """Layout permute as a module (`pwconv2.2` is the BatchNorm in the training form)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 3, 1, 2)
