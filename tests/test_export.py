@@ -101,9 +101,9 @@ def test_data_config_comes_from_the_training_run(tmp_path):
     assert config["data_config"]["input_size"] == [3, 16, 20]
 
 
-def test_checkpoint_of_lkcnn_training_module_exports(tmp_path, monkeypatch):
-    """The contract with lkcnn.training: its real LightningModule, trained for two steps, exports raw and EMA."""
-    monkeypatch.setenv("LKCNN_CONV_IMPL", "torch")  # the module sets it from conv_impl; restored afterwards
+def test_checkpoint_of_lkcnn_training_module_exports(tmp_path):
+    """The contract with lkcnn.training: its real LightningModule, trained for two steps, exports raw and EMA (the
+    conv_impl it chooses is undone by conftest's fixture)."""
     module = ClassificationModule(
         model={"name": "replknet_tiny", "num_classes": 4}, ema={"decay": 0.5}, conv_impl="torch",
         optim={"optimizer": {"opt": "adamw", "lr": 1e-2}, "scheduler": {"sched": "cosine", "warmup_epochs": 0}})

@@ -20,16 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import safetensors.torch
-import timm
 import torch
-import yaml
 from timm.data import resolve_data_config
 from torch import nn
 
 import lkcnn
 from lkcnn.deploy.checkpoint import Checkpoint, CheckpointError, load_weights, read_checkpoint
 from lkcnn.deploy.reparam import reparameterize_model
-from lkcnn.models import checkpoint_filter_fn
+from lkcnn.models import LkcnnModel, ModelError, build_model, checkpoint_filter_fn, parse_model_args
 from lkcnn.ops import reference
 
 WEIGHTS_FILE = "model.safetensors"
@@ -40,33 +38,18 @@ DEFAULT_RTOL = 1e-4
 CHECK_BATCH = 2  # > 1 so that the ONNX batch dimension stays dynamic
 ONNX_STANDARD_DOMAINS = ("", "ai.onnx")
 TIMM_DATA_ARGS = ("img_size", "mean", "std", "interpolation", "crop_pct")  # resolve_data_config's argument names
-LKCNN_MODELS = ["replknet*", "*_lk_*"]  # name patterns of the models lkcnn registers with timm
 
 
 class ExportError(ValueError):
     """An export that cannot be done or did not verify; the message says why and what to do."""
 
 
-def build_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
-    """`timm.create_model(name, **kwargs)` without downloading anything; unknown names and kwargs fail clearly."""
-    if not timm.is_model(name):
-        raise ExportError(f"unknown model '{name}'; lkcnn's models: {', '.join(timm.list_models(LKCNN_MODELS))}")
-    kwargs = {k: v for k, v in kwargs.items() if k != "pretrained"}
+def _build(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """lkcnn.models.build_model without downloading anything (`pretrained` is dropped); its errors as ExportError."""
     try:
-        return timm.create_model(name, pretrained=False, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"cannot build model '{name}' with {kwargs}: {e}") from None
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`key=value` strings -> kwargs; values are read as YAML (`10`, `true`, `[31,29,27,13]`, `null`, text)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ExportError(f"--set expects key=value with a model argument name as key, got {item!r}")
-        out[key] = yaml.safe_load(value)
-    return out
+        return build_model(name, **{k: v for k, v in kwargs.items() if k != "pretrained"})
+    except ModelError as e:
+        raise ExportError(str(e)) from None
 
 
 def export_checkpoint(
@@ -148,7 +131,10 @@ def load_deployed(out_dir: str | Path) -> nn.Module:
     if actual != sha256:
         raise ValueError(f"{weights_path} does not match the sha256 recorded in {config_path} ({actual} != "
                          f"{sha256}): the file was modified or damaged. Export the checkpoint again.")
-    model = build_model(name, kwargs)
+    if "quantization" in config:  # an 8-bit export: the fake-quant model
+        from lkcnn.deploy.quantized_export import load_quantized
+        return load_quantized(out_dir, config)
+    model = _build(name, kwargs)
     try:
         missing, unexpected = safetensors.torch.load_model(model, str(weights_path), strict=False)
     except RuntimeError as e:  # shape mismatches
@@ -179,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                         "else the model's pretrained_cfg)")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
                         help="largest relative error accepted between original and deployed outputs")
+    from lkcnn.deploy import quantized_export  # imported here: it imports this module
+    quantized_export.add_arguments(parser)  # --precision int8|fp8, --calibrate data=..., ...
     args = parser.parse_args(argv)
+    if args.precision != "fp32" or args.calibrate:
+        return quantized_export.run(args, parser)
     try:
-        config = export_checkpoint(args.checkpoint, args.out_dir, args.model, parse_overrides(args.overrides),
+        config = export_checkpoint(args.checkpoint, args.out_dir, args.model, parse_model_args(args.overrides),
                                    ema=args.ema, onnx=args.onnx, force=args.force,
                                    input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol)
     except (ValueError, OSError) as e:  # CheckpointError / ExportError, bad OUT_DIR, bad LKCNN_CONV_IMPL, ...
@@ -211,8 +201,8 @@ def _model_for(ckpt: Checkpoint, model_name: str | None, overrides: dict[str, An
     spec = ckpt.spec or {"name": model_name, "kwargs": {}}
     name = model_name or spec["name"]
     kwargs = {**(spec["kwargs"] if name == spec["name"] else {}), **overrides}
-    model = build_model(name, kwargs)
-    if not hasattr(model, "lkcnn_spec"):
+    model = _build(name, kwargs)
+    if not isinstance(model, LkcnnModel):
         raise ExportError(f"model '{name}' is not an lkcnn model; export supports lkcnn's registered models.")
     return model
 

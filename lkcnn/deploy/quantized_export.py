@@ -1,0 +1,315 @@
+"""8-bit export: checkpoint -> deployed float model -> calibrated INT8 / FP8 model -> model.safetensors (8-bit weights
+and scales) + config.json (+ model.onnx with QuantizeLinear / DequantizeLinear nodes), and load it back.
+
+`python -m lkcnn.export CKPT OUT --precision int8|fp8 --calibrate data=<config>`. The float deployed model comes from
+the float exporter (`export_checkpoint`, into a temporary folder), so every check of a float export runs first. The
+8-bit model must agree with the float one on the top-1 class of at least `min_agreement` of the calibration images,
+else nothing is written; the written files must load back (`lkcnn.load_deployed`) and give the same outputs, and the
+ONNX graph must give them in onnxruntime.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import Tensor, nn
+
+from lkcnn.deploy import export
+from lkcnn.deploy.export import CONFIG_FILE, ONNX_FILE, WEIGHTS_FILE, ExportError
+from lkcnn.deploy.quantize import (
+    DEFAULT_PERCENTILE,
+    FORMATS,
+    OBSERVERS,
+    QuantizeError,
+    prepare_quantized,
+    quantize,
+    top1_agreement,
+)
+
+PRECISIONS = ("fp32", *FORMATS)
+DEFAULT_OBSERVER = "mse"
+DEFAULT_CALIB_BATCHES = 16
+DEFAULT_MIN_AGREEMENT = 0.99
+DEFAULT_OPSET = 19  # the first opset with float8 QuantizeLinear / DequantizeLinear
+# torch.onnx writes opset 18 and newer (it only tries to convert down to older ones); per-channel int8 QDQ exists
+# from opset 13, float8 QDQ from 19
+MIN_OPSET = {"int8": 18, "fp8": 19}
+# relative L2 error accepted between onnxruntime (graph optimizations off) and the fake-quant model: both compute the
+# same quantized values, but a different float summation order can move an activation across a rounding boundary
+ONNX_RTOL = 1e-3
+ONNX_FUSED_RTOL = 5e-2  # onnxruntime's default graph optimizations: integer kernels, their own rounding
+RELOAD_RTOL = 1e-6  # the re-loaded model computes with the very same tensors
+
+
+def check_onnx_opset(precision: str, opset: int) -> None:
+    """Refuse an opset whose QuantizeLinear / DequantizeLinear cannot carry `precision` (or torch cannot write)."""
+    if opset < MIN_OPSET[precision]:
+        why = "float8 QuantizeLinear/DequantizeLinear arrived in opset 19" if precision == "fp8" else \
+            "torch.onnx writes opset 18 and newer"
+        raise ExportError(f"--opset {opset} is too old for {precision} QDQ nodes ({why}): pass --opset "
+                          f"{MIN_OPSET[precision]} or newer. Nothing was written.")
+
+
+def deployed_from_checkpoint(checkpoint: str | Path, model_name: str | None = None,
+                             overrides: dict[str, Any] | None = None, ema: bool = False,
+                             input_size: tuple[int, int] | None = None,
+                             rtol: float = export.DEFAULT_RTOL) -> tuple[nn.Module, dict[str, Any]]:
+    """(the deployed float model, its config.json) through the float exporter in a temporary folder, so that the
+    checkpoint is read, re-parameterized and verified exactly as `python -m lkcnn.export` does it."""
+    with tempfile.TemporaryDirectory(prefix="lkcnn-deploy-") as tmp:
+        config = export.export_checkpoint(checkpoint, Path(tmp) / "float", model_name, overrides, ema=ema,
+                                          input_size=input_size, rtol=rtol)
+        return export.load_deployed(Path(tmp) / "float"), config
+
+
+def export_quantized(
+        checkpoint: str | Path,
+        out_dir: str | Path,
+        precision: str,
+        calibration: Iterable[Tensor] | Callable[[], Iterable[Tensor]],
+        calibration_source: str = "",
+        observer: str = DEFAULT_OBSERVER,
+        percentile: float = DEFAULT_PERCENTILE,
+        min_agreement: float = DEFAULT_MIN_AGREEMENT,
+        onnx: bool = False,
+        opset: int = DEFAULT_OPSET,
+        model_name: str | None = None,
+        overrides: dict[str, Any] | None = None,
+        ema: bool = False,
+        force: bool = False,
+        input_size: tuple[int, int] | None = None,
+        rtol: float = export.DEFAULT_RTOL,
+) -> dict[str, Any]:
+    """Export the checkpoint's net in 8 bits (`precision` "int8" or "fp8") to `out_dir`; returns config.json's content.
+
+    `calibration` yields input batches (already transformed like validation images), or is a function returning
+    them, called after the cheap checks; `calibration_source` says where they came from (config.json records it).
+    Raises ExportError / QuantizeError / CheckpointError with a one-line message; nothing is written then.
+    """
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if precision not in FORMATS:
+        raise ExportError(f"--precision {precision} is not an 8-bit format; choose one of {', '.join(FORMATS)}.")
+    if observer not in OBSERVERS:
+        raise ExportError(f"--observer {observer} is unknown; choose one of {', '.join(OBSERVERS)}.")
+    if not 0 <= min_agreement <= 1:
+        raise ExportError(f"--min-agreement {min_agreement} must be a share between 0 and 1, e.g. 0.99.")
+    export._check_out_dir(out_dir, force, checkpoint)
+    if onnx:
+        check_onnx_opset(precision, opset)
+        if not all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript")):
+            raise ExportError("--onnx needs the onnx and onnxscript packages: pip install 'lkcnn[onnx]'.")
+        if precision == "fp8" and not importlib.util.find_spec("onnxruntime"):
+            raise ExportError("FP8 ONNX is not written: it is only written once onnxruntime has run it, and "
+                              "onnxruntime is not installed (pip install 'lkcnn[onnx]'), or drop --onnx.")
+    batches = list(calibration() if callable(calibration) else calibration)
+    if not batches or not sum(len(x) for x in batches):
+        raise ExportError(f"no calibration images{f' in {calibration_source}' if calibration_source else ''}; "
+                          "pass a data config with training images, e.g. --calibrate data=digits.")
+
+    float_model, float_config = deployed_from_checkpoint(checkpoint, model_name, overrides, ema, input_size, rtol)
+    quantized = quantize(float_model, batches, precision, observer, percentile)
+    agreement, images = top1_agreement(float_model, quantized, batches)
+    if agreement < min_agreement:
+        raise ExportError(f"the {precision} model agrees with the float model on the top-1 class of only "
+                          f"{agreement:.2%} of the {images} calibration images (--min-agreement {min_agreement:g}); "
+                          "nothing was written. Try another --observer (minmax, percentile, mse), more "
+                          "--calib-batches, or a lower --min-agreement.")
+    info = quantized.lkcnn_quantization
+    config = {
+        **{k: v for k, v in float_config.items() if k not in ("weights", "onnx")},
+        "weights": {"file": WEIGHTS_FILE, "sha256": ""},
+        "quantization": {
+            "precision": precision,
+            "weights": "per output channel, symmetric, max |w|",
+            "activations": f"per tensor, symmetric, at the input of every conv and linear layer; observer {observer}",
+            **{k: info[k] for k in ("observer", "percentile") if k in info},
+            "calibration": {"data": calibration_source, "batches": len(batches), "images": images},
+            "top1_agreement": agreement, "min_agreement": min_agreement,
+            "layers": info["layers"],
+        },
+    }
+    x = batches[0][:export.CHECK_BATCH].to(next(float_model.parameters()).device)
+    with torch.no_grad():
+        expected = quantized(x)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in quantized.state_dict().items()}
+        safetensors.torch.save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        config["weights"]["sha256"] = export._sha256(tmp / WEIGHTS_FILE)
+        if onnx:
+            config["onnx"] = _write_onnx(quantized, x, expected, tmp / ONNX_FILE, opset, precision)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / WEIGHTS_FILE).chmod((tmp / CONFIG_FILE).stat().st_mode)  # safetensors writes 0600
+        with torch.no_grad():
+            export._check_close(export.load_deployed(tmp).to(x.device)(x), expected, RELOAD_RTOL,
+                                f"the {precision} model re-loaded from {out_dir} differs")
+        export._move_into(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config
+
+
+def load_quantized(out_dir: Path, config: dict[str, Any]) -> nn.Module:
+    """The 8-bit (fake-quant) model of an export whose config.json has a `quantization` section; `load_deployed`
+    calls this after verifying the weights' sha256."""
+    from lkcnn.models import ModelError, build_model
+
+    weights_path = out_dir / WEIGHTS_FILE
+    try:
+        spec, quant = config["model"], config["quantization"]
+        precision, layers = quant["precision"], list(quant["layers"])
+        model = build_model(spec["name"], **dict(spec["kwargs"], deploy=True))
+        prepare_quantized(model, precision, layers)
+    except (KeyError, TypeError, AttributeError, ModelError, QuantizeError) as e:
+        raise ValueError(f"{out_dir / CONFIG_FILE} is not a valid 8-bit lkcnn export config ({type(e).__name__}: "
+                         f"{e}); export the checkpoint again.") from None
+    try:
+        model.load_state_dict(safetensors.torch.load_file(str(weights_path)), strict=True)
+        model.lkcnn_quantization = {k: quant[k] for k in ("precision", "observer", "layers") if k in quant}
+    except RuntimeError as e:
+        raise ValueError(f"{weights_path} does not fit the {precision} model '{spec['name']}' described by "
+                         f"{out_dir / CONFIG_FILE}: {str(e).splitlines()[0]}. Export the checkpoint again.") from None
+    return model.eval()
+
+
+def _write_onnx(model: nn.Module, x: Tensor, expected: Tensor, path: Path, opset: int,
+                precision: str) -> dict[str, Any]:
+    """ONNX with one QuantizeLinear/DequantizeLinear pair per layer input and a DequantizeLinear per 8-bit weight;
+    compared with the fake-quant model in onnxruntime (required for FP8, whose ONNX is written only if it runs)."""
+    import onnx
+
+    from lkcnn.ops import reference
+    from lkcnn.ops.qdq import onnx_translations
+
+    decompositions = torch.export.default_decompositions()
+    decompositions[torch.ops.lkcnn.dwconv2d_fwd.default] = reference.forward  # a standard Conv node
+    x = x.cpu()
+    model = model.cpu()
+    try:
+        program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        torch.onnx.export(program.run_decompositions(decompositions), (x,), str(path), input_names=["input"],
+                          output_names=["logits"], opset_version=opset, verbose=False,
+                          custom_translation_table=onnx_translations(opset),
+                          external_data=export._nbytes(model) > 2**31 - 2**27)
+    except Exception as e:  # torch.export / onnxscript raise many types; report one line, keep the cause
+        raise ExportError(f"{precision} ONNX export failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}). Nothing was written; export without "
+                          "--onnx and report the error.") from e
+    graph = onnx.load(str(path), load_external_data=False)
+    written = max(o.version for o in graph.opset_import if o.domain in export.ONNX_STANDARD_DOMAINS)
+    if written != opset:
+        raise ExportError(f"torch.onnx wrote opset {written} instead of --opset {opset}; pass --opset {written}. "
+                          "Nothing was written.")
+    nodes = list(graph.graph.node) + [n for f in graph.functions for n in f.node]
+    custom = sorted({f"{n.domain}::{n.op_type}" for n in nodes if n.domain not in export.ONNX_STANDARD_DOMAINS})
+    layers = len(model.lkcnn_quantization["layers"])
+    counts = {op: sum(n.op_type == op for n in nodes) for op in ("QuantizeLinear", "DequantizeLinear")}
+    if custom or counts != {"QuantizeLinear": layers, "DequantizeLinear": 2 * layers}:
+        raise ExportError(f"the {precision} ONNX graph has custom ops {custom} or {counts} Q/DQ nodes for {layers} "
+                          "quantized layers (expected one Q and two DQ each). Nothing was written; export without "
+                          "--onnx and report this.")
+    result: dict[str, Any] = {"file": ONNX_FILE, "opset": opset, "quantize_linear_nodes": layers}
+    try:
+        import onnxruntime
+    except ImportError:  # optional for INT8 (export_quantized requires it for FP8): the graph check above still ran
+        return result
+    what = "FP8 ONNX is not written" if precision == "fp8" else "the INT8 ONNX graph is not written"
+    # graph optimizations off, onnxruntime runs the QDQ graph as written: the fake-quant model's arithmetic (ONNX_RTOL).
+    # Its default optimizations fuse Q/DQ into integer kernels, whose requantization rounds differently
+    # (ONNX_FUSED_RTOL); a deployment runs those, so they must compute the same network too.
+    errors = {}
+    for level, tolerance in (("ORT_DISABLE_ALL", ONNX_RTOL), ("ORT_ENABLE_ALL", ONNX_FUSED_RTOL)):
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = getattr(onnxruntime.GraphOptimizationLevel, level)
+        try:
+            session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            (out,) = session.run(None, {"input": x.numpy()})
+        except Exception as e:  # onnxruntime's errors are its own types; one line says which node failed
+            raise ExportError(f"{what}: onnxruntime {onnxruntime.__version__} cannot run it ({level}: "
+                              f"{str(e).strip().splitlines()[0][:200]}); drop --onnx (the safetensors export "
+                              "works without it). Nothing was written.") from None
+        error = rel_error(torch.from_numpy(out), expected.cpu())
+        if not error <= tolerance:
+            raise ExportError(f"{what}: onnxruntime {onnxruntime.__version__} ({level}) computes it with relative "
+                              f"error {error:.2e} > {tolerance:.0e} against the {precision} model; drop --onnx (the "
+                              "safetensors export works without it). Nothing was written.")
+        errors[level] = error
+    result["onnxruntime_relative_error"] = errors["ORT_DISABLE_ALL"]
+    result["onnxruntime_optimized_relative_error"] = errors["ORT_ENABLE_ALL"]
+    return result
+
+
+def rel_error(actual: Tensor, expected: Tensor) -> float:
+    """Relative L2 error (NaN-safe: NaN compares false against any tolerance)."""
+    return (torch.linalg.vector_norm((actual - expected).double())
+            / torch.linalg.vector_norm(expected.double()).clamp_min(1e-12)).item()
+
+
+# ----------------------------------------------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The exporter's 8-bit options (python -m lkcnn.export ... --precision int8 --calibrate data=digits)."""
+    group = parser.add_argument_group("8-bit export (docs/export.md#8-bit-export)")
+    group.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                       help="fp32 (default): re-parameterized float weights; int8 / fp8 (e4m3): quantized weights "
+                       "per output channel and activations per tensor, calibrated with --calibrate")
+    group.add_argument("--calibrate", nargs="+", metavar="OVERRIDE", default=None,
+                       help="calibration data: train.py's Hydra data overrides, e.g. data=digits, or data=imagenet "
+                       "data.root=/data/imagenet (training images, validation transform)")
+    group.add_argument("--calib-batches", type=int, default=DEFAULT_CALIB_BATCHES, metavar="N",
+                       help=f"calibration batches of data.batch_size images (default {DEFAULT_CALIB_BATCHES})")
+    group.add_argument("--observer", choices=OBSERVERS, default=DEFAULT_OBSERVER,
+                       help=f"activation range: minmax, percentile or mse (default {DEFAULT_OBSERVER})")
+    group.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
+                       help=f"--observer percentile: the percentile of |x| kept (default {DEFAULT_PERCENTILE})")
+    group.add_argument("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, metavar="SHARE",
+                       help="refuse to write unless the 8-bit model's top-1 class matches the float model's on this "
+                       f"share of the calibration images (default {DEFAULT_MIN_AGREEMENT})")
+    group.add_argument("--opset", type=int, default=DEFAULT_OPSET,
+                       help=f"ONNX opset of an 8-bit --onnx export (default {DEFAULT_OPSET}; int8 needs 18+, "
+                       "fp8 19+)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`main` of lkcnn.export for --precision int8|fp8: load the calibration data, export, print one line."""
+    def fail(message: str) -> None:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    if args.precision == "fp32":
+        fail("--calibrate applies to 8-bit exports only: add --precision int8 or --precision fp8.")
+    if not args.calibrate:
+        fail(f"--precision {args.precision} needs calibration data: add --calibrate data=<config> (a config of "
+             "conf/data, e.g. --calibrate data=digits).")
+    if args.calib_batches < 1:
+        fail(f"--calib-batches {args.calib_batches} must be at least 1.")
+    from lkcnn.evaluate import DataError, calibration_batches  # the data side lives with the entry points
+    from lkcnn.models import parse_model_args
+
+    def batches() -> list[Tensor]:
+        try:
+            return calibration_batches(args.calibrate, args.calib_batches)
+        except DataError as e:
+            raise ExportError(f"--calibrate {' '.join(args.calibrate)}: {e}") from None
+
+    try:
+        overrides = parse_model_args(args.overrides)
+        config = export_quantized(
+            args.checkpoint, args.out_dir, args.precision, batches, " ".join(args.calibrate), args.observer,
+            args.percentile, args.min_agreement, args.onnx, args.opset, args.model, overrides, ema=args.ema,
+            force=args.force, input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol)
+    except (ValueError, OSError) as e:  # ExportError, QuantizeError, CheckpointError, bad OUT_DIR, ...
+        fail(str(e))
+    quant = config["quantization"]
+    files = [CONFIG_FILE, WEIGHTS_FILE] + ([ONNX_FILE] if args.onnx else [])
+    print(f"exported {config['model']['name']} in {args.precision} to {args.out_dir} ({', '.join(files)}); top-1 "
+          f"agreement with the float model {quant['top1_agreement']:.2%} on {quant['calibration']['images']} "
+          f"calibration images ({args.observer} observer)")
+    return 0

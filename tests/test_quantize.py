@@ -1,0 +1,262 @@
+"""8-bit deployment: observers, fake-quant, calibration, INT8/FP8 export (safetensors, ONNX QDQ in onnxruntime),
+the agreement check, lkcnn.evaluate, and one-line errors for bad inputs."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime
+import pytest
+import timm
+import torch
+from hydra import compose, initialize_config_dir
+from torch.ao.quantization.observer import MinMaxObserver
+
+import lkcnn
+from conftest import randomize_bn, rel_err
+from lkcnn.deploy.export import ExportError
+from lkcnn.deploy.export import main as export_main
+from lkcnn.deploy.quantize import (
+    FORMATS,
+    HISTOGRAM_BINS,
+    HistogramAmax,
+    MinMaxAmax,
+    QuantConv2d,
+    QuantizeError,
+    QuantLinear,
+    quantize,
+    weight_amax,
+)
+from lkcnn.deploy.quantized_export import deployed_from_checkpoint, export_quantized
+from lkcnn.deploy.reparam import reparameterize_model
+from lkcnn.evaluate import calibration_batches, evaluate, make_datamodule
+from lkcnn.evaluate import main as evaluate_main
+from lkcnn.ops.qdq import fake_quantize, quantize_linear
+
+ROOT = Path(__file__).resolve().parents[1]
+INT8, FP8 = FORMATS["int8"], FORMATS["fp8"]
+CALIB = ["data=digits"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small convolutions: on a busy CPU intra-op threads stall each other (see test_train.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------------ observers, fake-quant
+def test_minmax_observers_give_hand_computed_scales():
+    batches = [torch.tensor([0.5, -2.0, 1.0]), torch.tensor([3.0, -1.0])]
+    observer = MinMaxAmax()
+    for x in batches:
+        observer.update(x)
+    assert observer.amax(INT8).item() == 3.0
+    assert INT8.scale(observer.amax(INT8)).item() == pytest.approx(3.0 / 127, rel=1e-7)
+    assert FP8.scale(observer.amax(FP8)).item() == pytest.approx(3.0 / 448, rel=1e-7)
+    # torch.ao's own symmetric INT8 scale over [-127, 127] is the same number
+    ao = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127)
+    ao(torch.cat(batches))
+    assert ao.calculate_qparams()[0].item() == pytest.approx(INT8.scale(observer.amax(INT8)).item(), rel=1e-7)
+    weight = torch.tensor([[1.0, -4.0], [0.25, 0.5], [0.0, 0.0]])
+    assert weight_amax(weight).tolist() == [4.0, 0.5, 0.0]
+    assert INT8.scale(weight_amax(weight))[2].item() > 0  # an all-zero channel still gets a usable scale
+
+
+def test_percentile_observer_reads_the_histogram_across_growing_ranges():
+    values = torch.arange(1, 10001, dtype=torch.float32) / 10000  # |x| uniform on (0, 1]
+    observer = HistogramAmax("percentile", percentile=99.0)
+    observer.update(-values[:5000])  # range 0.5 first, then re-binned to 1.0
+    observer.update(values[5000:])
+    width = 1.0 / HISTOGRAM_BINS
+    assert abs(observer.amax(INT8).item() - 0.99) <= 2 * width
+
+
+def test_mse_observer_matches_a_brute_force_search():
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(50_000), torch.tensor([40.0])])  # one outlier
+    for fmt in (INT8, FP8):
+        observer = HistogramAmax("mse")
+        observer.update(x)
+        candidates = torch.linspace(0.02, 1, 200) * 40
+        errors = torch.stack([(fmt.fake_quantize(x, fmt.scale(c)) - x).square().sum() for c in candidates])
+        best = candidates[errors.argmin()].item()
+        found = observer.amax(fmt).item()
+        if fmt is INT8:  # the outlier's clipping error weighs less than a coarser step for all other values
+            assert found < 35
+        error_at = lambda a: (fmt.fake_quantize(x, fmt.scale(torch.tensor(a))) - x).square().sum().item()  # noqa
+        assert error_at(found) <= 1.05 * error_at(best), (fmt.name, found, best)
+
+
+def test_fake_quant_is_an_exact_int8_and_fp8_round_trip():
+    x = torch.randn(4, 8, 5, 5) * 3
+    scale = torch.tensor(0.05)
+    q = quantize_linear(x, scale, "int8")
+    assert q.dtype == torch.int8
+    assert torch.equal(q, torch.clamp(torch.round(x / scale), -128, 127).to(torch.int8))  # saturates at 6.4
+    assert torch.equal(fake_quantize(x, scale, "int8"), q.float() * scale)
+    assert torch.equal(fake_quantize(x, scale, "int8"),
+                       torch.fake_quantize_per_tensor_affine(x, scale, torch.tensor(0), -128, 127))
+    per_channel = x.abs().amax((0, 2, 3)) / 127  # a scale per channel of axis 1
+    assert torch.equal(fake_quantize(x, per_channel, "int8", 1),
+                       torch.fake_quantize_per_channel_affine(x, per_channel, torch.zeros(8, dtype=torch.int32),
+                                                              1, -128, 127))
+    f8 = fake_quantize(x * 100, scale, "float8_e4m3fn")  # x * 100 / 0.05 reaches beyond 448: saturates, no NaN
+    expected = (x * 100 / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(f8, expected) and f8.isfinite().all() and f8.abs().max() == 448 * scale
+
+
+def test_quantize_refuses_a_training_form_model_and_quantizes_a_deployed_one():
+    model = randomize_bn(timm.create_model("replknet_tiny", num_classes=5, kernel_sizes=[7, 5, 3, 3],
+                                           small_kernel=3)).eval()
+    batches = [torch.randn(4, 3, 32, 32)]
+    with pytest.raises(QuantizeError, match=r"^the model is not in deploy form .*reparameterize_model"):
+        quantize(model, batches)
+    reparameterize_model(model)
+    with pytest.raises(QuantizeError, match="no calibration images"):
+        quantize(model, [])
+    quantized = quantize(model, batches, "int8", "minmax")
+    layers = dict(quantized.named_modules())
+    assert isinstance(layers["stages.0.blocks.0.large_kernel.lkb_reparam"], QuantConv2d)
+    assert layers["stages.0.blocks.0.large_kernel.lkb_reparam"].large_kernel
+    assert isinstance(layers["head"], QuantLinear) and layers["head"].weight.dtype == torch.int8
+    assert not any(type(m) in (torch.nn.Conv2d, torch.nn.Linear) for m in quantized.modules())
+    assert next(model.parameters()).dtype == torch.float32 and type(model.head) is torch.nn.Linear  # untouched
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_err(quantized(x), model(x)) < 0.1
+
+
+# --------------------------------------------------------------------------------------- a trained digits model
+@pytest.fixture(scope="session")
+def digits_checkpoint(tmp_path_factory) -> Path:
+    """The default run (replknet_tiny_32px on digits), shortened to 3 epochs: a model whose top-1 means something."""
+    spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
+    train_app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_app)
+    out = tmp_path_factory.mktemp("digits_run")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=[f"paths.output_dir={out}", f"paths.runs_dir={out}", "cpu_threads=1",
+                                              "trainer.max_epochs=3", "data.batch_size=32",
+                                              "optim.scheduler.warmup_epochs=0", "optim.optimizer.lr=4e-3"])
+        assert train_app.train(cfg)["val/acc1"] > 0.6
+    finally:
+        torch.set_num_threads(threads)
+    return out / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="session")
+def calibration() -> list[torch.Tensor]:
+    return calibration_batches(CALIB, 16)
+
+
+@pytest.fixture(scope="session")
+def digits_val():
+    return make_datamodule(CALIB)
+
+
+def test_int8_and_fp8_exports_keep_the_digits_accuracy(digits_checkpoint, calibration, digits_val, tmp_path):
+    cpu = torch.device("cpu")
+    float_model, _ = deployed_from_checkpoint(digits_checkpoint)
+    float_top1 = evaluate(float_model, digits_val, cpu)["top1"]
+    x = calibration[0][:8]
+    for precision in ("int8", "fp8"):
+        out = tmp_path / precision
+        config = export_quantized(digits_checkpoint, out, precision, calibration, "data=digits", min_agreement=0.9)
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+        quant = config["quantization"]
+        assert quant["precision"] == precision and quant["top1_agreement"] >= 0.9
+        assert quant["calibration"] == {"data": "data=digits", "batches": 16, "images": 16 * 64}
+        model = lkcnn.load_deployed(out)
+        assert model.head.weight.dtype == FORMATS[precision].torch_dtype
+        top1 = evaluate(model, digits_val, cpu)["top1"]
+        print(f"{precision}: float top-1 {float_top1:.4f}, {precision} top-1 {top1:.4f}")
+        assert abs(top1 - float_top1) <= 0.03, (precision, top1, float_top1)
+        # the ONNX QDQ graph in onnxruntime against the fake-quant reference, on real images
+        try:
+            config = export_quantized(digits_checkpoint, out, precision, calibration, "data=digits", onnx=True,
+                                      min_agreement=0.9, force=True)
+        except ExportError as e:  # onnxruntime's fused FP8 kernels compute another function (see docs/export.md)
+            assert precision == "fp8" and re.match(r"FP8 ONNX is not written: onnxruntime .* \(ORT_ENABLE_ALL\) "
+                                                   r"computes it with relative error", str(e)), e
+            assert not (out / "model.onnx").exists()
+            continue
+        assert config["onnx"]["opset"] == 19 and config["onnx"]["onnxruntime_relative_error"] < 1e-3
+        with torch.no_grad():
+            reference = model(x)
+        literal = onnxruntime.SessionOptions()  # the QDQ graph as written: the fake-quant model's arithmetic
+        literal.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        for options, tolerance in ((literal, 1e-3), (None, 5e-2)):  # default: Q/DQ fused into integer kernels
+            session = onnxruntime.InferenceSession(str(out / "model.onnx"), options,
+                                                   providers=["CPUExecutionProvider"])
+            (logits,) = session.run(None, {"input": x.numpy()})
+            assert rel_err(torch.from_numpy(logits), reference) < tolerance, (precision, options)
+
+
+def test_export_refuses_a_model_that_disagrees_and_writes_nothing(digits_checkpoint, calibration, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"agrees with the float model on the top-1 class of only .* nothing was "
+                                         r"written"):  # clipping every activation at its 1st percentile
+        export_quantized(digits_checkpoint, out, "int8", calibration[:2], observer="percentile", percentile=1.0)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def one_line_error(capsys, main, argv: list[str], pattern: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and re.search(pattern, err), err
+
+
+def test_bad_inputs_end_in_one_line_and_write_nothing(digits_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    ckpt = str(digits_checkpoint)
+    cases = [
+        ([ckpt, str(out), "--precision", "int8"], r"needs calibration data: add --calibrate data="),
+        ([ckpt, str(out), "--calibrate", "data=digits"], r"applies to 8-bit exports only"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=nosuchdata"], r"data configs: digits"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=imagefolder", f"data.root={tmp_path}/none",
+          "data.num_classes=10"],
+         r"does not exist"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "model=replknet31b"], r"not a data override"),
+        ([ckpt, str(out), "--precision", "fp8", "--calibrate", "data=digits", "--onnx", "--opset", "18"],
+         r"--opset 18 is too old for fp8 QDQ nodes .*--opset 19"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=digits", "--onnx", "--opset", "13"],
+         r"--opset 13 is too old for int8"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=digits", "--min-agreement", "1.5"],
+         r"--min-agreement 1.5 must be a share between 0 and 1"),
+    ]
+    for argv, pattern in cases:
+        one_line_error(capsys, export_main, argv, rf"^lkcnn-export: error: .*{pattern}")
+        assert not out.exists(), argv
+    one_line_error(capsys, evaluate_main, [str(tmp_path / "missing"), "data=digits"], r"does not exist")
+    one_line_error(capsys, evaluate_main, [ckpt, "data=digits", "--device", "cuda:0"] if not torch.cuda.is_available()
+                   else [str(tmp_path), "data=digits"], r"^lkcnn-evaluate: error: ")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_command_line_round_trip(digits_checkpoint, tmp_path):
+    out = tmp_path / "int8"
+    run = lambda *args: subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,  # noqa: E731
+                                       cwd=ROOT, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    exported = run("lkcnn.export", str(digits_checkpoint), str(out), "--precision", "int8", "--calibrate",
+                   "data=digits", "--calib-batches", "4", "--observer", "minmax", "--min-agreement", "0.9")
+    assert exported.returncode == 0, exported.stderr
+    assert re.search(r"exported replknet_tiny in int8 to .*top-1 agreement .* on 256 calibration images",
+                     exported.stdout)
+    evaluated = run("lkcnn.evaluate", str(out), "data=digits", "--device", "cpu")
+    assert evaluated.returncode == 0, evaluated.stderr
+    match = re.search(r"^top1=(0\.\d{4}) top5=(0\.\d{4}|1\.0000) images/s=\d+\.\d \(359 images, data=digits, int8, "
+                      r"cpu\)$", evaluated.stdout.strip())
+    assert match and float(match[1]) > 0.6, evaluated.stdout
+    again = run("lkcnn.export", str(digits_checkpoint), str(out), "--precision", "int8", "--calibrate", "data=digits")
+    assert again.returncode == 2 and again.stderr.startswith("lkcnn-export: error: output folder") \
+        and again.stderr.count("\n") == 1  # nothing a user owns is overwritten
