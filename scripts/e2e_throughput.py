@@ -1,31 +1,36 @@
-"""End-to-end training-step throughput of RepLKNet-31B (bf16 autocast, AdamW) on one GPU, lkcnn's kernels vs
-PyTorch's convolution vs the same net with 3x3 kernels: the numbers behind docs/performance.md's end-to-end table.
-(The Hydra/Lightning route is `python train.py model=replknet31b data=synthetic ...`; this script needs neither.)
+"""End-to-end training-step throughput (bf16 autocast, AdamW) on one GPU, lkcnn's kernels vs PyTorch's convolution
+vs the same net with 3x3 kernels, and against other timm networks (e.g. convnext_base): the numbers behind
+docs/performance.md's end-to-end table. (The Hydra/Lightning route is `python train.py model=replknet31b
+data=synthetic ...`; this script needs neither.)
 
-    python scripts/e2e_throughput.py [--batch 64] [--steps 20] [--channels-last] [--compile] [--repeat 3]
+    python scripts/e2e_throughput.py [--models replknet31b,convnext_base] [--batch 64] [--steps 20] [--channels-last]
+                                     [--compile] [--repeat 3]
     python scripts/e2e_throughput.py --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
 
 import timm
 import torch
 import torch.nn.functional as F
 
-from lkcnn.models import NO_SMALL_KERNEL  # importing lkcnn registers the models
+from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.ops import set_conv_impl
 
 
-def setup(impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph: bool = False, **model_kwargs):
-    """(train step, its state) for one variant: RepLKNet-31B, AdamW, synthetic batch, bf16 autocast. With
+def setup(name: str, impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph: bool = False,
+          **model_kwargs):
+    """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast. With
     cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays it: no host
     time per step, so the GPU's own time per step is what is measured."""
     set_conv_impl(impl)
-    model = timm.create_model("replknet31b", **model_kwargs).cuda()
+    model = timm.create_model(name, **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if compile:
@@ -58,9 +63,9 @@ def setup(impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph:
     return graph.replay, (model, opt, x, y, graph)
 
 
-def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
                  cuda_graph: bool = False, **model_kwargs) -> float:
-    step, state = setup(impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.synchronize()
@@ -75,14 +80,14 @@ def images_per_s(impl: str, batch: int, steps: int, warmup: int, channels_last: 
     return images_per_s
 
 
-def kernel_profile(impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
                    cuda_graph: bool = False, top: int = 30, **model_kwargs) -> str:
     """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first), and
     the GPU's busy time per step against the wall time per step (a gap is host time the GPU waits for)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    step, state = setup(impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -103,6 +108,8 @@ def kernel_profile(impl: str, batch: int, steps: int, warmup: int, channels_last
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=["replknet31b"],
+                        help="comma list of timm names; lkcnn's models run each of --runs, others run once")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -121,39 +128,62 @@ def main() -> None:
                   compile=args.compile, cuda_graph=args.cuda_graph)
     small = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)
     variants = {  # key: (label, conv implementation, model keywords)
-        "cuda": ("lkcnn kernels, 31-29-27-13 + 5x5", "cuda", {}),
-        # the default dispatch: large kernels on lkcnn, the 5x5 branch (under AUTO_MIN_KERNEL) on cuDNN
-        "auto": ("lkcnn 'auto', 31-29-27-13 + 5x5", "auto", {}),
-        "torch": ("PyTorch conv, 31-29-27-13 + 5x5", "torch", {}),
+        "cuda": ("lkcnn kernels, every depthwise conv", "cuda", {}),
+        # the default dispatch: large kernels on lkcnn, small ones (under AUTO_MIN_KERNEL) on cuDNN
+        "auto": ("lkcnn 'auto' (small kernels on cuDNN)", "auto", {}),
+        "torch": ("PyTorch conv", "torch", {}),
         "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", small),
         "torch3": ("PyTorch conv, 3x3, no small branch", "torch", small),
     }
     unknown = set(args.runs) - set(variants)
     if unknown:
         parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(variants)}")
-    if args.profile:
+    missing = [m for m in args.models if not timm.is_model(m)]
+    if missing:
+        parser.error(f"--models: {missing} are not timm model names")
+    lkcnn_models = set(list_models())
+    jobs = {}  # label: (model, implementation, keywords)
+    for model in args.models:
+        if model not in lkcnn_models:  # a peer network: PyTorch's convolutions, one run
+            jobs[f"{model} (timm)"] = (model, "torch", {})
+            continue
         for k in args.runs:
-            print(f"== {variants[k][0]}")
-            print(kernel_profile(variants[k][1], **common, **variants[k][2]))
+            if k.endswith("3") and not model.startswith("replknet"):  # the 3x3 variant takes RepLKNet's keywords
+                continue
+            label, impl, kwargs = variants[k]
+            jobs[f"{model}: {label}"] = (model, impl, kwargs)
+    if args.profile:
+        for label, (model, impl, kwargs) in jobs.items():
+            print(f"== {label}")
+            print(kernel_profile(model, impl, **common, **kwargs))
         return
     # rounds of all variants in turn: single runs of one variant spread by 20% and more between calls, so a ratio
     # is read from medians of interleaved runs
-    samples: dict[str, list[float]] = {variants[k][0]: [] for k in args.runs}
+    samples: dict[str, list[float]] = {label: [] for label in jobs}
     for _ in range(args.repeat):
-        for k in args.runs:
-            samples[variants[k][0]].append(images_per_s(variants[k][1], **common, **variants[k][2]))
+        for label, (model, impl, kwargs) in jobs.items():
+            samples[label].append(images_per_s(model, impl, **common, **kwargs))
     runs = {name: statistics.median(values) for name, values in samples.items()}
     mode = ("compiled, " if args.compile else "") + ("channels_last, " if args.channels_last else "") + (
         "CUDA graph, " if args.cuda_graph else "")
-    print(f"RepLKNet-31B, batch {args.batch}, 224px, bf16 autocast, AdamW, {mode}{torch.cuda.get_device_name()}")
+    print(f"batch {args.batch}, 224px, bf16 autocast, AdamW, {mode}{torch.cuda.get_device_name()}")
+    first = next(iter(runs.values()))
     for name, ips in runs.items():
         each = f"  (runs: {', '.join(f'{v:.1f}' for v in samples[name])})" if args.repeat > 1 else ""
-        print(f"{name:40s} {ips:8.1f} img/s{each}")
+        print(f"{name:56s} {ips:8.1f} img/s  {ips / first:5.2f}x{each}")
     if args.json:
+        from lkcnn.bench import SCHEMA, environment
+
+        rows = [{"network": jobs[label][0], "variant": label.split(": ", 1)[-1], "images_per_s": ips,
+                 "ratio_to_first": ips / first, "runs": samples[label]} for label, ips in runs.items()]
+        record = {"schema": SCHEMA, "kind": "train_e2e", "environment": environment(torch.device("cuda")),
+                  "command": shlex.join(["python", "scripts/e2e_throughput.py", *sys.argv[1:]]),
+                  "method": {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized",
+                             "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
+                             "regime": mode.rstrip(", ") or "eager", "dtype": "bf16 autocast"},
+                  "rows": rows}
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "compile": args.compile,
-                       "channels_last": args.channels_last, "cuda_graph": args.cuda_graph, "images_per_s": runs,
-                       "runs": samples}, f, indent=1)
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
