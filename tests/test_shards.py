@@ -10,7 +10,6 @@ import collections
 import hashlib
 import json
 import logging
-import os
 import signal
 import tarfile
 from pathlib import Path
