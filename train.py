@@ -22,7 +22,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     from lkcnn.training import SyncBatchNormPlugin, resolve_ckpt_path
     from lkcnn.training.console import quiet_known_noise
-    from lkcnn.training.run_summary import RunSummary
+    from lkcnn.training.callbacks.run_summary import RunSummary
 
     quiet_known_noise()
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here

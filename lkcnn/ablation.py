@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from timm.utils import ModelEmaV3
 
 from lkcnn.info import info
-from lkcnn.training.kernel_timing import MIN_SAMPLES as MIN_TIMED_STEPS  # the callback warns below it too
+from lkcnn.training.callbacks.kernel_timing import MIN_SAMPLES as MIN_TIMED_STEPS  # the callback warns below it too
 
 log = logging.getLogger(__name__)
 

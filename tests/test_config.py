@@ -20,7 +20,9 @@ GROUPS = ("model", "data", "optim", "trainer", "logger", "callbacks", "experimen
 # values the user must supply for some options (???) so that those compose to a complete config
 REQUIRED = {"data=imagenet": ["data.root=/data/imagenet"],
             "data=imagefolder": ["data.root=/data/flowers", "data.num_classes=102"],
-            "experiment=replknet31b_in1k": ["data.root=/data/imagenet"]}
+            "data=imagenet_shards": ["data.root=/data/imagenet-shards"],
+            "experiment=replknet31b_in1k": ["data.root=/data/imagenet"],
+            "experiment=unireplknet_in1k": ["data.root=/data/imagenet"]}
 
 
 def make_cfg(*overrides: str) -> DictConfig:

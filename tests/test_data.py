@@ -28,7 +28,7 @@ from lkcnn.training import (
     user_error_message,
 )
 from lkcnn.training.seeding import EpochShuffleSampler
-from lkcnn.training.sources import carve_validation
+from lkcnn.training.data.sources import carve_validation
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"img_size": 16, "batch_size": 4, "transform": {"hflip": 0.0, "color_jitter": 0.0}}

@@ -17,7 +17,7 @@ from PIL import Image
 from test_imagenet_pipeline import BATCH, imagenet_config, photo, run_epoch, write_imagenet, write_odd_files
 
 from lkcnn.training import ConfigError, CorruptImageError, ImageFolderDataModule, gpu_decode
-from lkcnn.training.datasets import CorruptImage
+from lkcnn.training.data.datasets import CorruptImage
 
 SIZE = 32  # output pixels: the statistics need many draws, kept cheap
 
@@ -97,7 +97,7 @@ def test_color_jitter_runs_on_the_device_with_the_cpu_paths_spread(tmp_path, no_
 def test_imagenet_recipe_with_decode_gpu_trains_and_validates(tmp_path, no_cuda_check, caplog):
     rng = np.random.default_rng()
     write_imagenet(tmp_path, train=4, val=2, rng=rng)  # 12 training images: 3 batches of 4
-    with caplog.at_level(logging.WARNING, logger="lkcnn.training.datamodule"):
+    with caplog.at_level(logging.WARNING, logger="lkcnn.training.data.datamodule"):
         dm = instantiate(imagenet_config(tmp_path, 3, decode="gpu").data)
         dm.setup("fit")
         dm.setup("validate")  # a second setup does not warn again
@@ -137,7 +137,7 @@ def test_odd_files_take_the_cpu_decode_and_corrupt_ones_are_counted_once(tmp_pat
     for path in (plain, files["tiny"]):  # plain RGB JPEGs travel as bytes, however small
         assert dm.train_set[index[Path(path).name]][0].data.dim() == 1, path
     assert isinstance(dm.train_set[index[files["truncated"].name]], CorruptImage)
-    with caplog.at_level(logging.WARNING, logger="lkcnn.training.datamodule"):
+    with caplog.at_level(logging.WARNING, logger="lkcnn.training.data.datamodule"):
         for epoch in range(2):
             train, val = run_epoch(dm, epoch, train=True), run_epoch(dm, epoch, train=False)
             assert dm.num_corrupt == 2 and all(torch.isfinite(images).all() for images, _ in train + val)

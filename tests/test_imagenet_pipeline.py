@@ -23,8 +23,9 @@ from timm.data import auto_augment, create_transform
 from timm.data.auto_augment import RandAugment
 from timm.data.random_erasing import RandomErasing
 
-from lkcnn.training import CorruptImageError, augment
-from lkcnn.training.datasets import CorruptImage, load_rgb
+from lkcnn.training import CorruptImageError
+from lkcnn.training.data import augment
+from lkcnn.training.data.datasets import CorruptImage, load_rgb
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 4
@@ -214,7 +215,7 @@ def test_odd_files_in_training_are_trained_or_skipped_and_counted_once(tmp_path,
     dm.setup("fit")
     assert len(dm.train_set) == 24 and len(dm.val_set) == 7
     counters = instrument(dm)
-    with caplog.at_level(logging.WARNING, logger="lkcnn.training.datamodule"):
+    with caplog.at_level(logging.WARNING, logger="lkcnn.training.data.datamodule"):
         for epoch in range(3):
             train, val = run_epoch(dm, epoch, train=True), run_epoch(dm, epoch, train=False)
             assert dm.num_corrupt == 2  # the truncated train and val files, counted once however many epochs

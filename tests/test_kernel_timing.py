@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lkcnn.layers import LargeKernelConv
 from lkcnn.training import ClassificationModule, SyntheticDataModule
-from lkcnn.training.kernel_timing import COLUMNS, MIN_SAMPLES, KernelTimingCallback
+from lkcnn.training.callbacks.kernel_timing import COLUMNS, MIN_SAMPLES, KernelTimingCallback
 
 BATCH = 4
 SLEEP_S = 0.05
@@ -183,7 +183,7 @@ def test_a_model_without_large_kernel_convs_gets_a_warning_not_a_table(tmp_path,
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[KernelTimingCallback(every_n_steps=1, warmup_steps=0, dirpath=str(tmp_path))])
-    with caplog.at_level("WARNING", logger="lkcnn.training.kernel_timing"):
+    with caplog.at_level("WARNING", logger="lkcnn.training.callbacks.kernel_timing"):
         trainer.fit(module, datamodule=data)
     assert sum("no LargeKernelConv ran" in r.message for r in caplog.records) == 1  # once, not per timed step
     assert not (tmp_path / "kernel_timing.csv").exists()
@@ -197,7 +197,7 @@ def test_too_few_timed_steps_for_a_mean_get_a_warning(steps, tmp_path, caplog):
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timing])
-    with caplog.at_level("WARNING", logger="lkcnn.training.kernel_timing"):
+    with caplog.at_level("WARNING", logger="lkcnn.training.callbacks.kernel_timing"):
         trainer.fit(tiny_module([3, 3, 3, 3]), datamodule=data)
     assert len({row["step"] for row in timing.rows}) == steps
     warned = [r.message for r in caplog.records if "too few for a mean" in r.message]

@@ -1,4 +1,4 @@
-"""Tar shards (lkcnn.training.shards): the converter's round trip against the class folders it read (classes, counts,
+"""Tar shards (lkcnn.training.data.shards): the converter's round trip against the class folders it read (classes, counts,
 bytes, determinism, the source left untouched), refusing to overwrite, a corrupt member under both `data.on_corrupt`
 modes, the index checks, the `data=imagenet_shards` recipe, and an exact resume after SIGKILL from shards.
 
@@ -26,8 +26,8 @@ from test_train_resume import final_state, finish, start
 from torchvision.datasets import ImageFolder
 
 from lkcnn.training import ConfigError, CorruptImageError, PathNotFoundError
-from lkcnn.training.datasets import CorruptImage, load_rgb
-from lkcnn.training.shards import ShardedImageDataModule, ShardsExistError, convert, main
+from lkcnn.training.data.datasets import CorruptImage, load_rgb
+from lkcnn.training.data.shards import ShardedImageDataModule, ShardsExistError, convert, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"img_size": 32, "batch_size": 4, "num_workers": 0, "transform": {"hflip": 0.0, "color_jitter": 0.0}}
@@ -166,7 +166,7 @@ def test_a_corrupt_member_is_skipped_and_counted_once_or_stops_training(tmp_path
     dm.setup("fit")
     sample = dm.train_set[1]
     assert isinstance(sample, CorruptImage) and sample.path.endswith(f"train-000000.tar:{member}")
-    with caplog.at_level(logging.WARNING, logger="lkcnn.training.datamodule"):
+    with caplog.at_level(logging.WARNING, logger="lkcnn.training.data.datamodule"):
         for epoch in range(2):
             batches = epoch_batches(dm, epoch)
             assert sum(len(t) for _, t in batches) == 7 and all(torch.isfinite(x).all() for x, _ in batches)

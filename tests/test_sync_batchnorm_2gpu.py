@@ -2,7 +2,7 @@
 
 Each rank normalizes its half of the batch with the statistics of both halves: the outputs, the input gradient and
 the running statistics must be those of BatchNorm over the whole batch, and the weight and bias gradients each
-rank's share of the whole (DDP sums them). The same through lkcnn.training.SyncBatchNorm compiled with
+rank's share of the whole (DDP sums them). The same through lkcnn.layers.sync_batchnorm.SyncBatchNorm compiled with
 mode="reduce-overhead" (the collectives captured into CUDA graphs), over three steps, with its exchanges on NCCL and
 on lkcnn's NVLink kernels; and those kernels alone, call after call, against float64. And faults in training
 through the NVLink exchange under DDP: a rank killed, a rank raising out-of-memory, a rank skipping one exchange; the

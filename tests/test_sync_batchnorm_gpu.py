@@ -96,7 +96,7 @@ def _assert_close(checks, tol: float, what: str) -> None:
 
 class _Synced(nn.BatchNorm2d):
     """BatchNorm2d whose training forward is sync_batch_norm over `group`, even a one-rank group (which
-    lkcnn.training.SyncBatchNorm skips): buffers and parameters as torch.compile sees them in a network."""
+    lkcnn.layers.sync_batchnorm.SyncBatchNorm skips): buffers and parameters as torch.compile sees them in a network."""
 
     def __init__(self, channels: int, group, affine: bool = True) -> None:
         super().__init__(channels, affine=affine)

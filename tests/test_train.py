@@ -196,7 +196,7 @@ def test_training_waits_for_the_device_only_at_logging_steps(tmp_path, monkeypat
     """Each Tensor.item() makes the host wait for the GPU, and a CUDA-graph step then idles while the host prepares
     the next batch. Lightning reads values logged with prog_bar=True every step (Lightning-AI/pytorch-lightning#21232),
     so the loss reaches the progress bar through lkcnn's ProgressBar, which reads it only at logging steps."""
-    from lkcnn.training.progress_bar import ProgressBar
+    from lkcnn.training.callbacks.progress_bar import ProgressBar
 
     steps, every = 12, 4
     cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), f"data.num_train={4 * steps}", f"trainer.max_steps={steps}",
@@ -229,7 +229,7 @@ def test_training_waits_for_the_device_only_at_logging_steps(tmp_path, monkeypat
 
 
 def test_progress_bar_rejects_a_loss_interval_below_one():
-    from lkcnn.training.progress_bar import ProgressBar
+    from lkcnn.training.callbacks.progress_bar import ProgressBar
 
     with pytest.raises(ValueError, match="fix callbacks.progress_bar.loss_every_n_steps"):
         ProgressBar(loss_every_n_steps=0)

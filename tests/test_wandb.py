@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.layers import LargeKernelConv
-from lkcnn.training.kernel_timing import COLUMNS
+from lkcnn.training.callbacks.kernel_timing import COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ([3, 3, 3, 3], [5, 3, 3, 3])
@@ -34,7 +34,7 @@ def test_offline_unless_a_mode_is_chosen(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = make_cfg("logger=wandb")
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.wandb.save_dir == "/tmp/lkcnn-test"
-    assert cfg.hydra.callbacks.finish_wandb_run._target_ == "lkcnn.training.wandb_run.FinishWandbRun"
+    assert cfg.hydra.callbacks.finish_wandb_run._target_ == "lkcnn.training.callbacks.wandb_run.FinishWandbRun"
     assert make_cfg("logger=wandb", "logger.wandb.mode=disabled").logger.wandb.mode == "disabled"
     monkeypatch.setenv("WANDB_MODE", "online")
     assert make_cfg("logger=wandb").logger.wandb.mode == "online"

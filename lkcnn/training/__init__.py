@@ -1,11 +1,10 @@
-"""lkcnn.training: the LightningModule, the DataModules (data sources) and helpers behind train.py."""
-from .datamodule import ImageDataModule
+"""lkcnn.training: the LightningModule, data/ (DataModules), callbacks/, distributed setup and the app's helpers."""
+from .data import DigitsDataModule, ImageDataModule, ImageFolderDataModule, SyntheticDataModule
 from .distributed import SyncBatchNormPlugin
 from .errors import ConfigError, CorruptImageError, PathNotFoundError, UserError, user_error_message
 from .model_factory import build_model
 from .module import ClassificationModule
 from .resume import resolve_ckpt_path
-from .sources import DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
 
 __all__ = ["ClassificationModule", "ConfigError", "CorruptImageError", "DigitsDataModule", "ImageDataModule",
            "ImageFolderDataModule", "PathNotFoundError", "SyncBatchNormPlugin", "SyntheticDataModule",

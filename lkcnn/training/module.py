@@ -128,7 +128,7 @@ class ClassificationModule(L.LightningModule):
         logits = self(images)
         # soft targets come from mixup/cutmix or label smoothing (see ImageDataModule)
         loss = self.soft_target_loss(logits, targets) if targets.ndim == 2 else F.cross_entropy(logits, targets)
-        # not prog_bar=True: Lightning would then wait for the GPU every step (lkcnn/training/progress_bar.py)
+        # not prog_bar=True: Lightning would then wait for the GPU every step (lkcnn/training/callbacks/progress_bar.py)
         self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(images))
         return loss
 

@@ -1,6 +1,6 @@
 """The DataModule machinery shared by every data source: timm transforms, loaders, mixup, corrupt-image policy.
 
-Subclasses (lkcnn.training.sources) say only where the images come from, by implementing `make_datasets`.
+Subclasses (lkcnn.training.data.sources) say only where the images come from, by implementing `make_datasets`.
 Batches are (images, targets); in training the targets become soft (mixup/cutmix and label smoothing, timm's
 `Mixup` / `mixup_target`) and the module picks SoftTargetCrossEntropy for them.
 """
@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 from . import augment  # noqa: F401 - registers the RandAugment ops that work with every Pillow (posterize)
 from . import gpu_decode
 from .datasets import CorruptImage, Transform, collate_skipping_corrupt
-from .errors import ConfigError, CorruptImageError
-from .seeding import DeferredStartDataLoader, EpochShuffleSampler
+from ..errors import ConfigError, CorruptImageError
+from ..seeding import DeferredStartDataLoader, EpochShuffleSampler
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class ImageDataModule(L.LightningDataModule):
             first.
         seed: shuffling and worker seeds derive from (seed, epoch); see lkcnn.training.seeding.
         decode: "cpu" decodes and augments in the loader workers (timm's pipeline); "gpu" has the workers read the
-            JPEG bytes and the device decode (nvJPEG) and augment them (lkcnn.training.gpu_decode), image files only.
+            JPEG bytes and the device decode (nvJPEG) and augment them (lkcnn.training.data.gpu_decode), image files only.
     """
 
     def __init__(self, num_classes: int, img_size: int, batch_size: int, num_workers: int | None = 0,

@@ -33,7 +33,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from .datasets import CorruptImage, ImageFiles, load_rgb
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DECODE = ("cpu", "gpu")
 JPEG_END = b"\xff\xd9"  # EOI: a truncated JPEG lacks it

@@ -1,6 +1,6 @@
 """Sharded image datasets: a class-folder tree converted into tar shards, and the DataModule that trains from them.
 
-    python -m lkcnn.training.shards /data/imagenet /data/imagenet-shards     # train/ and val/ -> shards + index
+    python -m lkcnn.training.data.shards /data/imagenet /data/imagenet-shards     # train/ and val/ -> shards + index
     python train.py data=imagenet_shards data.root=/data/imagenet-shards
 
 Why shards: on a shared file system of a multi-node cluster, 1.28M small files cost a metadata lookup each, per
@@ -45,7 +45,7 @@ from torch.utils.data import Dataset
 
 from .datamodule import ImageDataModule
 from .datasets import CorruptImage, Transform, load_rgb
-from .errors import ConfigError, PathNotFoundError, UserError
+from ..errors import ConfigError, PathNotFoundError, UserError
 
 FORMAT = "lkcnn-shards"
 VERSION = 1
@@ -210,7 +210,7 @@ def read_index(root: Path, split: str) -> tuple[dict[str, Any], np.ndarray]:
     path = root / f"{split}.json"
     if not path.is_file():
         hint = ("the conversion did not finish: run it again with --overwrite" if split_files(root, split) else
-                f"convert a class-folder tree first: python -m lkcnn.training.shards SRC_ROOT {root}")
+                f"convert a class-folder tree first: python -m lkcnn.training.data.shards SRC_ROOT {root}")
         raise PathNotFoundError(f"{path} does not exist ({hint})")
     try:
         index = json.loads(path.read_text())
@@ -219,8 +219,8 @@ def read_index(root: Path, split: str) -> tuple[dict[str, Any], np.ndarray]:
         raise PathNotFoundError(f"cannot read the index of {root}/{split}-*.tar ({err}): convert again with "
                                 "--overwrite") from err
     if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ConfigError(f"{path} is not an index written by lkcnn.training.shards (format {FORMAT} "
-                          f"version {VERSION}): convert the class folders with python -m lkcnn.training.shards")
+        raise ConfigError(f"{path} is not an index written by lkcnn.training.data.shards (format {FORMAT} "
+                          f"version {VERSION}): convert the class folders with python -m lkcnn.training.data.shards")
     if table.shape != (index["samples"], len(COLUMNS)):
         raise ConfigError(f"{root / f'{split}.npy'} does not match {path}: convert again with --overwrite")
     for shard in index["shards"]:
@@ -287,7 +287,7 @@ class ShardSamples(Dataset):
 
 
 class ShardedImageDataModule(ImageDataModule):
-    """Images from tar shards written by `python -m lkcnn.training.shards` (root/<split>-NNNNNN.tar + index).
+    """Images from tar shards written by `python -m lkcnn.training.data.shards` (root/<split>-NNNNNN.tar + index).
 
     The same transforms, loaders, sampler and corrupt-image policy as the class-folder sources; only the bytes come
     from the shards.
@@ -299,7 +299,7 @@ class ShardedImageDataModule(ImageDataModule):
         self.train_split, self.val_split = train_split, val_split
         if not self.root.is_dir():
             raise PathNotFoundError(f"data.root={self.root} does not exist: pass the folder of the shards, written "
-                                    f"by python -m lkcnn.training.shards SRC_ROOT {self.root}")
+                                    f"by python -m lkcnn.training.data.shards SRC_ROOT {self.root}")
 
     def make_datasets(self, train_transform: Transform, eval_transform: Transform) -> tuple[Dataset, Dataset]:
         train, train_table = read_index(self.root, self.train_split)
@@ -318,7 +318,7 @@ class ShardedImageDataModule(ImageDataModule):
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m lkcnn.training.shards",
+        prog="python -m lkcnn.training.data.shards",
         description="Convert a class-folder tree (SRC_ROOT/<split>/<class>/<image>, ImageNet's layout) into tar "
                     "shards DST_ROOT/<split>-NNNNNN.tar plus an index, for data=imagenet_shards. "
                     "SRC_ROOT is only read.")

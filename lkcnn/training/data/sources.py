@@ -13,7 +13,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 
 from .datamodule import ImageDataModule
 from .datasets import ArrayImages, ImageFiles, RandomImages, Transform
-from .errors import ConfigError, PathNotFoundError
+from ..errors import ConfigError, PathNotFoundError
 
 
 def carve_validation(targets: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
