@@ -163,7 +163,7 @@ def test_compiled_sync_batchnorm_traces_to_fusable_ops_around_one_exchange_each_
 def test_compiled_sync_batchnorm_saves_no_float32_activation_for_backward(monkeypatch):
     """What AOT autograd's partitioner keeps from a compiled bf16 forward through the synchronized path for the
     backward: bfloat16 activations, as with plain BatchNorm, not a float32 x - mean or x_hat per BatchNorm. That copy
-    cost one more pass per layer, ~3 ms per RepLKNet-31B step on 2x H200 (docs/performance.md, session 13). The
+    cost one more pass per layer, ~3 ms per RepLKNet-31B step on 2x H200 (docs/training_multigpu.md). The
     layers are RepLKNet's patterns: BatchNorm before a convolution, and after one followed by GELU, by a residual
     addition and by ReLU."""
     from types import SimpleNamespace

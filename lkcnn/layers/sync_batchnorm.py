@@ -15,7 +15,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         # group.size(), not dist.get_world_size(group): this runs ~200 times per step, and the latter's Python (and
-        # torch.nn.SyncBatchNorm.forward asking again) took ~12 ms per step under cProfile on one GPU (session 4)
+        # torch.nn.SyncBatchNorm.forward asking again) took ~12 ms per step under cProfile on one GPU
         group = (self.process_group or dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
         if not (self.training and group is not None and group.size() > 1):
             return nn.modules.batchnorm._BatchNorm.forward(self, input)  # nothing to synchronize: plain BatchNorm

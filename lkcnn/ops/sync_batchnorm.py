@@ -93,7 +93,7 @@ class _Normalize(torch.autograd.Function):
     """x normalized with the ranks' statistics, then scaled and shifted. Its backward is written out (as
     torch.nn.SyncBatchNorm's is) rather than left to autograd through var_mean and the exchange: one fused reduction of
     (sum dy, sum dy * x_hat), one all-reduce of the pair, one elementwise pass. Autograd's version took seven reductions,
-    one of them recomputing the local mean: ~8 ms per RepLKNet-31B step on 2x H200 (docs/performance.md, session 11)."""
+    one of them recomputing the local mean: ~8 ms per RepLKNet-31B step on 2x H200 (2x H200, docs/training_multigpu.md)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -106,7 +106,7 @@ class _Normalize(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         # x * scale + shift, not (x - mean) * scale + bias: with the latter, the forward and the backward's x_hat share
         # the float32 x - mean, and AOT's partitioner saved that (or x_hat) for the backward instead of x itself: one
-        # more pass per layer writing twice x's bytes, ~3 ms per RepLKNet-31B step (docs/performance.md, session 13).
+        # more pass per layer writing twice x's bytes, ~3 ms per RepLKNet-31B step (2x H200, docs/training_multigpu.md).
         # The rounding differs by ~|mean| / std float32 ulps, far below a bfloat16 input's own.
         y = x.float() * scale.view(shape) + shift.view(shape)
         # not y.to(x.dtype) when that is y itself: with torch 2.11, dynamo then passes a zero gradient to backward
