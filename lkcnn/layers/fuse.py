@@ -21,6 +21,20 @@ def fuse_bn(weight: torch.Tensor, bn: nn.BatchNorm2d,
     return weight * scale.reshape(-1, *([1] * (weight.dim() - 1))), beta - mean_shift * scale
 
 
+def merge_branches(branches, kernel_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one (C,1,kh,kw) kernel and (C,) bias equal to the sum of BN-folded depthwise branches (eval mode).
+
+    `branches` yields (weight, bn, dilation, conv_bias or None); each branch is dilated to its dense kernel and
+    centred in `kernel_size`. Every multi-branch block (RepLKNet's, UniRepLKNet's) merges through here.
+    """
+    kernel, bias = 0, 0
+    for weight, bn, dilation, conv_bias in branches:
+        w, b = fuse_bn(weight, bn, conv_bias)
+        kernel = kernel + pad_to(dilate_kernel(w, dilation), kernel_size)
+        bias = bias + b
+    return kernel, bias
+
+
 def dilate_kernel(weight: torch.Tensor, dilation: int) -> torch.Tensor:
     """A kxk kernel with dilation r as the equivalent dense ((k-1)r+1)^2 kernel (zeros between taps)."""
     if dilation == 1:

@@ -31,5 +31,13 @@ class LargeKernelConv(nn.Conv2d):
         super().__init__(channels, channels, ks, stride=1, padding=tuple(padding), groups=channels, bias=bias,
                          device=device, dtype=dtype)
 
+    @classmethod
+    def from_kernel(cls, kernel: torch.Tensor, bias: torch.Tensor) -> LargeKernelConv:
+        """The deploy-form conv holding a merged (C,1,kh,kw) kernel and its (C,) bias."""
+        conv = cls(kernel.shape[0], tuple(kernel.shape[-2:]), bias=True, device=kernel.device, dtype=kernel.dtype)
+        conv.weight.data.copy_(kernel)
+        conv.bias.data.copy_(bias)
+        return conv
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dwconv2d(x, self.weight, self.bias, self.padding)

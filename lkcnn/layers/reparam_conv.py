@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from .conv_bn import conv_bn
-from .fuse import dilate_kernel, fuse_bn, pad_to
+from .fuse import merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
 
 # UniRepLKNet's dilated branches per large kernel size K: (kernel k, dilation r); each is a sparse ((k-1)r+1)^2 kernel.
@@ -91,22 +91,14 @@ class ReparamLargeKernelConv(nn.Module):
     @torch.no_grad()
     def get_equivalent_kernel_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The single (C,1,kh,kw) kernel and (C,) bias equal to the sum of all BN-folded branches (eval mode)."""
-        kernel, bias = 0, 0
-        for branch in self.branches():
-            w, b = fuse_bn(branch.conv.weight, branch.bn)
-            kernel = kernel + pad_to(dilate_kernel(w, branch.conv.dilation[0]), self.kernel_size)
-            bias = bias + b
-        return kernel, bias
+        return merge_branches(((b.conv.weight, b.bn, b.conv.dilation[0], None) for b in self.branches()),
+                              self.kernel_size)
 
     def reparameterize(self) -> None:
         """Merge all branches into `lkb_reparam` in place (timm's convention); a no-op when already deployed."""
         if self.deploy:
             return
-        kernel, bias = self.get_equivalent_kernel_bias()
-        self.lkb_reparam = LargeKernelConv(self.channels, self.kernel_size, bias=True,
-                                           device=kernel.device, dtype=kernel.dtype)
-        self.lkb_reparam.weight.data.copy_(kernel)
-        self.lkb_reparam.bias.data.copy_(bias)
+        self.lkb_reparam = LargeKernelConv.from_kernel(*self.get_equivalent_kernel_bias())
         del self.lkb_origin, self.small_conv, self.dilated
         self.deploy = True
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lkcnn.ops import dwconv2d
 
-from .fuse import dilate_kernel, fuse_bn, pad_to
+from .fuse import dilate_kernel, merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
 from .reparam_conv import resolve_dilated_branches
 
@@ -77,23 +77,16 @@ class DilatedReparamBlock(nn.Module):
     @torch.no_grad()
     def get_equivalent_kernel_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (C,1,K,K) kernel and (C,) bias equal to the sum of the BN-folded branches (eval mode)."""
-        kernel, bias = fuse_bn(self.lk_origin.weight, self.origin_bn, self.lk_origin.bias)
-        for k, r in self.branches:
-            conv, bn = getattr(self, f"dil_conv_k{k}_{r}"), getattr(self, f"dil_bn_k{k}_{r}")
-            w, b = fuse_bn(conv.weight, bn)
-            kernel = kernel + pad_to(dilate_kernel(w, r), self.kernel_size)
-            bias = bias + b
-        return kernel, bias
+        branches = [(self.lk_origin.weight, self.origin_bn, 1, self.lk_origin.bias)]
+        branches += [(getattr(self, f"dil_conv_k{k}_{r}").weight, getattr(self, f"dil_bn_k{k}_{r}"), r, None)
+                     for k, r in self.branches]
+        return merge_branches(branches, self.kernel_size)
 
     def reparameterize(self) -> None:
         """Merge the branches into `lk_origin` (with bias) in place; a no-op when already deployed."""
         if self.deploy:
             return
-        kernel, bias = self.get_equivalent_kernel_bias()
-        self.lk_origin = LargeKernelConv(self.channels, self.kernel_size, bias=True,
-                                         device=kernel.device, dtype=kernel.dtype)
-        self.lk_origin.weight.data.copy_(kernel)
-        self.lk_origin.bias.data.copy_(bias)
+        self.lk_origin = LargeKernelConv.from_kernel(*self.get_equivalent_kernel_bias())
         del self.origin_bn
         for k, r in self.branches:
             delattr(self, f"dil_conv_k{k}_{r}")
