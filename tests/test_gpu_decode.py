@@ -16,7 +16,8 @@ from hydra.utils import instantiate
 from PIL import Image
 from test_imagenet_pipeline import BATCH, imagenet_config, photo, run_epoch, write_imagenet, write_odd_files
 
-from lkcnn.training import ConfigError, CorruptImageError, ImageFolderDataModule, gpu_decode
+from lkcnn.training import ConfigError, CorruptImageError, ImageFolderDataModule
+from lkcnn.training.data import gpu_decode
 from lkcnn.training.data.datasets import CorruptImage
 
 SIZE = 32  # output pixels: the statistics need many draws, kept cheap
