@@ -66,6 +66,7 @@ def test_summary_block_before_the_first_step(tmp_path, caplog):
     assert rows["model"].startswith(f"replknet_tiny ({params / 1e3:.1f} K parameters, kernels 31,29,27,13 on 8,4,2,1")
     assert rows["data"] == "SyntheticDataModule: 4 classes, 32 px, 8 train / 4 val images, batch 4"
     assert rows["device"] == "cpu, precision 32-true"
+    assert rows["compile"] == "off (auto: eager on cpu)"  # module.compile=auto compiles on a GPU only
     assert rows["threads"] == "1 CPU threads, 0 loader workers"
     assert rows["steps"] == "2" and rows["output"] == str(tmp_path / "run")
 

@@ -18,6 +18,9 @@ from omegaconf import DictConfig
 
 from lkcnn.ops import conv_impl, dwconv
 from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
+from lkcnn.training.callbacks.kernel_timing import KernelTimingCallback
+from lkcnn.training.callbacks.throughput import ThroughputCallback
+from lkcnn.training.module import AUTO_COMPILE_MODE, auto_compile_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
@@ -90,6 +93,16 @@ def test_compile_keeps_the_state_dict_keys(tmp_path):
     compiled.teardown("fit")  # frees CUDA graphs where there are any; none here
     with pytest.raises(ConfigError, match=r"module.compile='fast'.*reduce-overhead"):
         ClassificationModule(dict(cfg.model), dict(cfg.optim), compile="fast")  # a mode torch.compile lacks
+
+
+def test_auto_compile_compiles_on_a_gpu_unless_a_callback_times_modules(tmp_path):
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"))
+    module = instantiate(cfg.module)
+    assert cfg.module.compile == "auto" and module.model._compiled_call_impl is None  # settled in setup()
+    assert auto_compile_mode("cuda", [ThroughputCallback()]) == (AUTO_COMPILE_MODE, "")
+    assert auto_compile_mode("cpu", []) == (None, "auto: eager on cpu")
+    mode, why = auto_compile_mode("cuda", [ThroughputCallback(), KernelTimingCallback()])
+    assert mode is None and "KernelTimingCallback" in why
 
 
 def test_default_run_shortened_learns_and_checkpoints_carry_the_contract(tmp_path):

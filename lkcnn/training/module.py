@@ -35,6 +35,22 @@ from .seeding import reseed_globals
 # the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
+# module.compile=auto on a GPU: CUDA graphs take the host's launch time out of the step; eager, RepLKNet-31B's step
+# waits on the host (docs/performance.md, end to end)
+AUTO_COMPILE_MODE = "reduce-overhead"
+
+
+def auto_compile_mode(device_type: str, callbacks: list[L.Callback]) -> tuple[str | None, str]:
+    """module.compile=auto: (the torch.compile mode, or None for eager; why eager). Eager off a GPU, where the step
+    is bound by the kernels, not the host, and where a callback times modules through hooks (needs_eager_modules),
+    which a compiled network skips."""
+    if device_type != "cuda":
+        return None, f"auto: eager on {device_type}"
+    eager_for = [type(c).__name__ for c in callbacks if getattr(c, "needs_eager_modules", False)]
+    if eager_for:
+        return None, f"auto: eager, {', '.join(eager_for)} times modules through hooks"
+    return AUTO_COMPILE_MODE, ""
+
 
 class ClassificationModule(L.LightningModule):
     """Image classification with an lkcnn (or any timm) model.
@@ -49,9 +65,10 @@ class ClassificationModule(L.LightningModule):
             weights are validated too.
         seed: run seed; every epoch re-seeds torch/numpy/random from (seed, epoch, rank) so resumes repeat.
         channels_last, grad_checkpointing: speed/memory options.
-        compile: torch.compile the network in place: True (default mode) or a torch.compile mode, e.g.
-            "reduce-overhead" (its forward and backward replayed as CUDA graphs, which takes the launch cost of
-            the eager step off the host).
+        compile: torch.compile the network in place: "auto" (default: AUTO_COMPILE_MODE when the run trains on a
+            GPU and no callback needs eager module hooks, else eager), False, True (torch's default mode) or a
+            torch.compile mode, e.g. "reduce-overhead" (forward and backward replayed as CUDA graphs, which takes
+            the launch cost of the eager step off the host).
         sync_bn_exchange: where SyncBatchNorm's statistics travel when compiled on several GPUs: "torch" (NCCL,
             default) or "lkcnn" (lkcnn's NVLink kernels, GPUs of one machine; docs/training_multigpu.md).
         sync_bn_exchange_timeout_s: how long an lkcnn exchange waits for a peer before the run fails with
@@ -62,7 +79,7 @@ class ClassificationModule(L.LightningModule):
 
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], conv_impl: str = "auto",
                  ema: Mapping[str, Any] | None = None, seed: int = 0, channels_last: bool = False,
-                 compile: bool | str = False, grad_checkpointing: bool = False, sync_bn_exchange: str = "torch",
+                 compile: bool | str = "auto", grad_checkpointing: bool = False, sync_bn_exchange: str = "torch",
                  sync_bn_exchange_timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -84,12 +101,11 @@ class ClassificationModule(L.LightningModule):
         self.model_ema = ModelEma(self.model, **ema) if ema else None
         if self.model_ema is not None:  # its deep copy still requires grad, which DDP reports as unused parameters
             self.model_ema.requires_grad_(False)
-        if compile:
-            compile_as_one_graph_under_ddp()
-            try:  # in place: state_dict keys stay model.<official keys>
-                self.model.compile(mode=None if compile is True else compile)
-            except RuntimeError as err:  # torch.compile checks the mode when it is called
-                raise ConfigError(f"module.compile={compile!r}: {err} (or true for the default mode)") from err
+        # the compile mode in force (None: eager); "auto" is settled in setup(), once the device is known
+        self.compile_mode: str | None = None
+        self.compile_reason = ""
+        if compile != "auto":
+            self._compile(compile)
         num_classes = self.model.num_classes
         metrics = MetricCollection({
             "acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
@@ -102,9 +118,27 @@ class ClassificationModule(L.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images.contiguous(memory_format=self.memory_format))
 
+    def _compile(self, compile: bool | str) -> None:
+        if compile is False or compile is None:
+            self.compile_reason = "module.compile=false"
+            return
+        compile_as_one_graph_under_ddp()
+        mode = "default" if compile is True else str(compile)
+        try:  # in place: state_dict keys stay model.<official keys>
+            self.model.compile(mode=None if mode == "default" else mode)
+        except RuntimeError as err:  # torch.compile checks the mode when it is called
+            raise ConfigError(f"module.compile={compile!r}: {err} (or true for the default mode, false for eager)") \
+                from err
+        self.compile_mode = mode
+
     def setup(self, stage: str) -> None:
         trainer, hp = self.trainer, self.hparams
-        configure_sync_bn_exchange(hp.sync_bn_exchange, hp.sync_bn_exchange_timeout_s, compiled=bool(hp.compile),
+        if hp.compile == "auto" and self.compile_mode is None and not self.compile_reason:
+            mode, self.compile_reason = auto_compile_mode(trainer.strategy.root_device.type, trainer.callbacks)
+            if mode:
+                self._compile(mode)
+        configure_sync_bn_exchange(hp.sync_bn_exchange, hp.sync_bn_exchange_timeout_s,
+                                   compiled=self.compile_mode is not None,
                                    world_size=trainer.world_size, num_nodes=trainer.num_nodes,
                                    device_type=trainer.strategy.root_device.type)
 
@@ -115,7 +149,7 @@ class ClassificationModule(L.LightningModule):
         # With module.compile=reduce-overhead on several GPUs the step's CUDA graphs hold SyncBatchNorm's
         # collectives, and while such graphs live, destroying the process group (at exit) hangs in
         # ncclCommDestroy (pytorch/pytorch#115388): free them when the stage ends. A later stage records anew.
-        if self.hparams.compile:  # (imported here: inductor loads only when compiling)
+        if self.compile_mode is not None:  # (imported here: inductor loads only when compiling)
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
             reset_cudagraph_trees()

@@ -80,6 +80,8 @@ class KernelTimingCallback(L.Callback):
         dirpath: folder of kernel_timing.csv/.json; the trainer's default_root_dir (the run folder) when None.
     """
 
+    needs_eager_modules = True  # module.compile=auto leaves the network eager: a compiled one skips module hooks
+
     def __init__(self, every_n_steps: int = 100, warmup_steps: int = 10, dirpath: str | None = None) -> None:
         super().__init__()
         if every_n_steps < 1 or warmup_steps < 0:

@@ -34,6 +34,15 @@ def stage_kernels(model: torch.nn.Module) -> list[int]:
     return sizes
 
 
+def _compile_line(module: L.LightningModule) -> str:
+    mode = getattr(module, "compile_mode", None)
+    if mode is None:
+        reason = getattr(module, "compile_reason", "")
+        return f"off ({reason})" if reason else "off"
+    return (f"torch.compile mode {mode}: the first steps compile the network (a minute or more cold, faster from "
+            "torch's caches on the next run; module.compile=false for eager)")
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
@@ -51,6 +60,8 @@ class RunSummary(L.Callback):
         self.output_dir = output_dir
         self._step_ends: list[float] | None = None  # timed on the CPU with a large network only
         self._total_steps = 0
+        self._time_first_step = False  # a compiled network: print how long its first step (the compilation) took
+        self._compile_started: float | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = pl_module.model
@@ -78,6 +89,7 @@ class RunSummary(L.Callback):
         threads = f"{torch.get_num_threads()} CPU threads"
         workers = getattr(dm, "num_workers", None)
         self._total_steps = int(trainer.estimated_stepping_batches)
+        self._time_first_step = getattr(pl_module, "compile_mode", None) is not None
         epochs = trainer.max_epochs if trainer.max_steps == -1 else None
         steps = f"{self._total_steps}" + (f" in {epochs} epoch{'s' * (epochs != 1)}" if epochs else "")
         rank_zero_info("\n".join([
@@ -86,6 +98,7 @@ class RunSummary(L.Callback):
             f"  data       {data}",
             f"  device     {device}{f' x{trainer.world_size}' if trainer.world_size > 1 else ''}, "
             f"precision {trainer.precision}",
+            f"  compile    {_compile_line(pl_module)}",
             f"  threads    {threads}" + (f", {workers} loader workers" if workers is not None else ""),
             f"  steps      {steps}",
             f"  output     {self.output_dir}",
@@ -97,7 +110,19 @@ class RunSummary(L.Callback):
                 "`python train.py` (replknet_tiny_32px) is the model that fits a CPU.")
             self._step_ends = []
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._time_first_step:
+            self._time_first_step = False
+            self._compile_started = time.perf_counter()
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._compile_started is not None:
+            if trainer.strategy.root_device.type == "cuda":  # the step's kernels, not only their launch
+                torch.cuda.synchronize(trainer.strategy.root_device)
+            seconds = time.perf_counter() - self._compile_started
+            rank_zero_info(f"lkcnn: the first step, compiling included, took {seconds:.1f} s")
+            self._compile_started = None
         if self._step_ends is None:
             return
         self._step_ends.append(time.perf_counter())
