@@ -83,7 +83,7 @@ def _deploy_from_training(state_dict: dict[str, torch.Tensor], model: nn.Module)
     return out
 
 
-def _check_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
+def check_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
     """Raise one readable error for missing/unexpected keys or non-classifier shape mismatches."""
     expected = model.state_dict()
     cfg = getattr(model, "pretrained_cfg", None) or {}
@@ -117,5 +117,5 @@ def checkpoint_filter_fn(state_dict: Mapping[str, object], model: nn.Module) -> 
         state_dict = timm_convnext_filter(state_dict, model)
     if any(".lkb_origin." in k for k in state_dict):
         state_dict = _deploy_from_training(state_dict, model)
-    _check_keys(state_dict, model)
+    check_keys(state_dict, model)
     return state_dict

@@ -6,7 +6,7 @@ import inspect
 import json
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import timm
@@ -164,11 +164,12 @@ def spec_kwargs(model_cls: type, model_args: dict[str, Any], kwargs: dict[str, A
 
 
 def create_lkcnn_model(model_cls: type, variant: str, pretrained: bool, model_args: dict[str, Any],
-                       kwargs: dict[str, Any], **build_kwargs: Any) -> nn.Module:
-    """timm's build_model_with_cfg (pretrained files, features_only) plus the rebuild spec."""
+                       kwargs: dict[str, Any], filter_fn: Callable[..., dict] = checkpoint_filter_fn,
+                       **build_kwargs: Any) -> nn.Module:
+    """timm's build_model_with_cfg (pretrained files through `filter_fn`, features_only) plus the rebuild spec."""
     model = build_model_with_cfg(
         model_cls, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
+        pretrained_filter_fn=filter_fn,
         feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3)),
         **build_kwargs, **dict(model_args, **kwargs))
     target = getattr(model, "model", model)  # features_only wraps the model

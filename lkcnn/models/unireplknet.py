@@ -15,15 +15,14 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm2d, SelectAdaptivePool2d, calculate_drop_path_rates, trunc_normal_
-from timm.models import generate_default_cfgs, load_pretrained, register_model
-from timm.models._builder import pretrained_cfg_for_features
-from timm.models._features import FeatureGetterNet, feature_take_indices
+from timm.models import generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
 from lkcnn.layers.fuse import fuse_bn
 from lkcnn.layers.unireplknet_blocks import GRN, DilatedReparamBlock, NCHWtoNHWC, NHWCtoNCHW, SEBlock
 
-from ._checkpoint import _check_keys, unwrap_state_dict
+from ._checkpoint import check_keys, unwrap_state_dict
 from ._factory import LkcnnModel, create_lkcnn_model
 
 __all__ = ["UniRepLKNet", "UniRepLKNetBlock"]
@@ -332,7 +331,7 @@ def checkpoint_filter_fn(state_dict: Mapping[str, object], model: nn.Module) -> 
                              f"kernel {kernel}: {str(err).splitlines()[-1].strip()}") from None
         twin.eval().reparameterize()
         state_dict.update({prefix + k: v for k, v in twin.state_dict().items()})
-    _check_keys(state_dict, target)
+    check_keys(state_dict, target)
     return state_dict
 
 
@@ -365,26 +364,10 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-_FEATURE_KWARGS = ("features_only", "out_indices", "output_fmt", "feature_cls", "feature_cfg")
-
-
 def _create(variant: str, pretrained: bool, model_args: dict, kwargs: dict) -> nn.Module:
-    """create_lkcnn_model; pretrained weights (e.g. pretrained_cfg_overlay=dict(file=...)) are loaded through this
-    family's checkpoint_filter_fn (see its docstring) before a features_only wrapper prunes the model."""
-    if not pretrained:
-        return create_lkcnn_model(UniRepLKNet, variant, False, model_args, kwargs)
-    kwargs = dict(kwargs)
-    features = {k: kwargs.pop(k) for k in _FEATURE_KWARGS if k in kwargs}
-    strict = kwargs.pop("pretrained_strict", True)
-    model = create_lkcnn_model(UniRepLKNet, variant, False, model_args, kwargs)
-    load_pretrained(model, model.pretrained_cfg, num_classes=model.num_classes, in_chans=model.in_chans,
-                    filter_fn=checkpoint_filter_fn, strict=strict)
-    if features.get("features_only"):
-        cfg = model.pretrained_cfg
-        model = FeatureGetterNet(model, out_indices=features.get("out_indices", (0, 1, 2, 3)),
-                                 output_fmt=features.get("output_fmt", "NCHW"))
-        model.pretrained_cfg = model.default_cfg = pretrained_cfg_for_features(cfg)
-    return model
+    """create_lkcnn_model with this family's checkpoint_filter_fn (see its docstring) for pretrained weights (e.g.
+    pretrained_cfg_overlay=dict(file=...))."""
+    return create_lkcnn_model(UniRepLKNet, variant, pretrained, model_args, kwargs, filter_fn=checkpoint_filter_fn)
 
 
 _DEPTHS_AFP, _DEPTHS_N, _DEPTHS_T, _DEPTHS_SBLXL = (2, 2, 6, 2), (2, 2, 8, 2), (3, 3, 18, 3), (3, 3, 27, 3)
