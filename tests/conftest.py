@@ -1,4 +1,5 @@
-"""Shared helpers for the layer / model / re-parameterization tests (imported as `from conftest import ...`)."""
+"""Shared helpers for the layer / model / re-parameterization tests (imported as `from conftest import ...`), and the
+data tests' fixture for decode=gpu without CUDA."""
 import pytest
 import torch
 import torch.nn as nn
@@ -29,3 +30,11 @@ def randomize_bn(module: nn.Module) -> nn.Module:
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative error in the L2 norm."""
     return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.fixture
+def no_cuda_check(monkeypatch):
+    """decode=gpu DataModules on a machine without CUDA: the device half then runs on the CPU."""
+    from lkcnn.training.data import gpu_decode  # here, not at the top: the other tests need no data stack
+
+    monkeypatch.setattr(gpu_decode, "require_cuda", lambda: None)

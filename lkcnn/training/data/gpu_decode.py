@@ -3,10 +3,10 @@
 Decoding and resizing are most of the CPU pipeline's cost per image, and a training GPU needs many cores' worth of
 them. With decode=gpu a worker only reads a file, parses its header (size, colour mode, EXIF orientation) and draws
 the random crop and flips; the DataModule's `on_after_batch_transfer` decodes the batch with one batched
-`torchvision.io.decode_jpeg(..., device=...)` call and runs crop + resize, flips, colour jitter, normalization and
-random erasing on the device. The ops and their settings are read from timm's CPU pipeline (`create_transform`),
-so both paths follow one config; ops that only exist for PIL images (timm's RandAugment / AutoAugment / AugMix,
-grayscale, blur) are skipped, and the DataModule says so once.
+`torchvision.io.decode_jpeg(..., device=...)` call and runs crop + resize, flips, RandAugment (its ops drawn in the
+worker too: gpu_randaugment), colour jitter, normalization and random erasing on the device. The ops and their
+settings are read from timm's CPU pipeline (`create_transform`), so both paths follow one config; ops that only exist
+for PIL images (timm's AutoAugment / AugMix, grayscale, blur) are skipped, and the DataModule says so once.
 
 Files nvJPEG should not get - anything but a plain RGB JPEG: CMYK, grayscale, EXIF-rotated, PNG behind a .JPEG
 name, or a JPEG without its end marker (truncated) - are decoded in the worker by the CPU path's own `load_rgb`
@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
+from timm.data.auto_augment import RandAugment
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
 from torch.utils.data import Dataset
@@ -32,7 +33,9 @@ from torchvision import transforms as T
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
+from . import gpu_randaugment
 from .datasets import CorruptImage, ImageFiles, load_rgb
+from .gpu_randaugment import GpuRandAugment, Step
 from ..errors import ConfigError
 
 DECODE = ("cpu", "gpu")
@@ -50,7 +53,8 @@ def require_cuda() -> None:
 
 
 class Crop(NamedTuple):
-    """What a worker drew for one training image: the crop box in the decoded image, flips, the resize filter."""
+    """What a worker drew for one training image: the crop box in the decoded image, flips, the resize filter and
+    the RandAugment ops."""
 
     top: int
     left: int
@@ -59,13 +63,15 @@ class Crop(NamedTuple):
     hflip: bool
     vflip: bool
     interpolation: F.InterpolationMode
+    rand_augment: tuple[Step, ...] = ()
 
 
 @dataclass
 class DeviceTransform:
     """The CPU pipeline's ops, re-expressed for the device path; built by `device_transform` from timm's Compose.
 
-    Training: a random resized crop (box drawn in the worker), flips, colour jitter, normalize, random erasing.
+    Training: a random resized crop (box drawn in the worker), flips, RandAugment, colour jitter, normalize, random
+    erasing.
     Eval: resize (shorter side) and centre crop. `skipped` names the CPU pipeline's ops the device path lacks.
     """
 
@@ -79,6 +85,7 @@ class DeviceTransform:
     hflip: float = 0.0
     vflip: float = 0.0
     resize: Any = None  # eval: torchvision Resize size (int: the shorter side)
+    rand_augment: GpuRandAugment | None = None
     color_jitter: T.ColorJitter | None = None
     random_erasing: RandomErasing | None = None
     skipped: tuple[str, ...] = ()
@@ -91,8 +98,9 @@ class DeviceTransform:
         interpolation = random.choice(self.interpolation) if isinstance(self.interpolation, (list, tuple)) \
             else self.interpolation
         # torch.rand like torchvision's RandomHorizontalFlip, so the worker's seeding covers both draws
-        return Crop(top, left, height, width, bool(torch.rand(1) < self.hflip), bool(torch.rand(1) < self.vflip),
-                    interpolation)
+        hflip, vflip = bool(torch.rand(1) < self.hflip), bool(torch.rand(1) < self.vflip)
+        ops = self.rand_augment.draw() if self.rand_augment is not None else ()
+        return Crop(top, left, height, width, hflip, vflip, interpolation, ops)
 
 
 def device_transform(pipeline: T.Compose, training: bool) -> DeviceTransform:
@@ -119,6 +127,12 @@ def device_transform(pipeline: T.Compose, training: bool) -> DeviceTransform:
             found["hflip"] = step.p
         elif isinstance(step, T.RandomVerticalFlip):
             found["vflip"] = step.p
+        elif isinstance(step, RandAugment):
+            missing = gpu_randaugment.unsupported(step)
+            if missing:
+                skipped.append(f"RandAugment (no device form of its {', '.join(missing)})")
+            else:
+                found["rand_augment"] = GpuRandAugment(step)
         elif isinstance(step, T.ColorJitter):
             found["color_jitter"] = step  # torchvision's own op: it takes float tensors as well as PIL images
         elif isinstance(step, T.Normalize):
@@ -281,14 +295,16 @@ def _eval_crop(image: torch.Tensor, transform: DeviceTransform) -> torch.Tensor:
 def augment(images: list[torch.Tensor], crops: list[Crop | None], transform: DeviceTransform) -> torch.Tensor:
     """Decoded uint8 images (on one device) -> the normalized float batch (N, 3, H, W), as the CPU pipeline makes it.
 
-    Values are clamped to 0..255 after resizing, as PIL's uint8 output is (bicubic overshoots); colour jitter runs
-    per image on 0..1 floats, random erasing on the normalized batch, like timm's pipeline orders them.
+    Values are clamped to 0..255 after resizing, as PIL's uint8 output is (bicubic overshoots); RandAugment and
+    colour jitter run on 0..1 floats, random erasing on the normalized batch, like timm's pipeline orders them.
     """
     if transform.training:
         out = [_resized_crop(image, crop, transform.size) for image, crop in zip(images, crops, strict=True)]
     else:
         out = [_eval_crop(image, transform) for image in images]
     batch = torch.stack(out).clamp_(0, 255).div_(255)
+    if transform.rand_augment is not None:
+        batch = transform.rand_augment(batch, [crop.rand_augment for crop in crops])
     if transform.color_jitter is not None:
         batch = torch.stack([transform.color_jitter(image) for image in batch])
     mean = torch.tensor(transform.mean, device=batch.device).view(1, -1, 1, 1)
