@@ -36,6 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import lkcnn  # noqa: F401  registers the models
+from lkcnn.bench import timing
+from lkcnn.bench.profile import gpu_timeline, kernel_table, per_step
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 from lkcnn.ops.sync_batchnorm import enable_nvlink_exchange, sync_batch_norm
 
@@ -89,38 +91,6 @@ def wrap(model: torch.nn.Module, variant: str, device: torch.device) -> torch.nn
 def _kernel_ms(kernels, *names: str) -> float:
     """Device ms per profiled step (3 steps) of the kernels whose name contains any of `names`."""
     return sum(e.self_device_time_total for e in kernels if any(n in e.key.lower() for n in names)) / 1e3 / 3
-
-
-def gpu_timeline(prof, steps: int = 3) -> dict[str, float]:
-    """This rank's (or process's) GPU timeline over the profiled steps, per step: the span from the first kernel's
-    start to the last one's end, the time some kernel ran (their union) and so the idle time between kernels, and the
-    NVLink exchange kernels' count and durations. An exchange that runs much longer than its ~3 us alone was waiting for
-    another rank, so their median and tail show the skew that each synchronized BatchNorm costs."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA" and not e.is_user_annotation)  # kernels, copies, memsets
-    busy, end = 0.0, spans[0][0]
-    for start, stop, _ in spans:  # the union of the intervals (kernels of NCCL's streams may overlap compute)
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    exchange = sorted(stop - start for start, stop, name in spans if "exchange_kernel" in name)
-    pick = (lambda q: exchange[min(len(exchange) - 1, int(q * len(exchange)))]) if exchange else (lambda q: 0.0)
-    span = (end - spans[0][0]) / steps
-    return {"span_ms": span / 1e3, "busy_ms": busy / steps / 1e3, "idle_ms": span / 1e3 - busy / steps / 1e3,
-            "kernels": len(spans) / steps, "exchanges": len(exchange) / steps,
-            "exchange_ms": sum(exchange) / steps / 1e3, "exchange_p10_us": pick(0.1),
-            "exchange_p50_us": pick(0.5), "exchange_p90_us": pick(0.9), "exchange_max_us": pick(1.0)}
-
-
-def kernel_table(averages) -> list:
-    """The profiled GPU work (kernels, copies, memsets; not user annotations) of `prof.key_averages()`, by name,
-    the longest first."""
-    return sorted((e for e in averages if e.device_type.name == "CUDA" and not e.is_user_annotation),
-                  key=lambda e: e.self_device_time_total, reverse=True)
-
-
-def per_step(kernels, steps: int = 3) -> dict[str, list[float]]:
-    """`kernel_table`'s rows as {name: [ms per step, launches per step]}, the --json format."""
-    return {e.key: [e.self_device_time_total / 1e3 / steps, e.count / steps] for e in kernels}
 
 
 def step_fn(model, opt, x, y):
@@ -191,11 +161,7 @@ def main() -> None:
             if rank == 0:
                 print(f"[{name}] warm-up took {time.perf_counter() - warmup:.0f} s", flush=True)
             dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            torch.cuda.synchronize()
-            seconds = (time.perf_counter() - start) / args.steps
+            seconds = timing.mean_ms(step, args.steps, device=device, wall=True) / 1e3
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     step()

@@ -1,6 +1,6 @@
-"""lkcnn.bench on the CPU: in-bounds FLOPs vs brute force and the published floors, config selection, anchors, the
-record (benchmarks/README.md's schema) and table with a fake timing function, failures recorded per config, the plot,
-and the no-GPU exit."""
+"""lkcnn.bench.kernels on the CPU: in-bounds FLOPs vs brute force and the published floors, config selection,
+anchors, the record (lkcnn.bench.record, benchmarks/README.md's schema) and table with a fake timing function,
+failures recorded per config, the plot, the no-GPU exit, and the subcommands of `python -m lkcnn.bench`."""
 import json
 from dataclasses import replace
 import os
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lkcnn import bench
+from lkcnn.bench import kernels as bench
+from lkcnn.bench.record import SCHEMA, command_line, load_record
 from lkcnn.ops import use_conv_impl
 
 # docs/performance.md's floors table: useful GFLOP per pass, % of dense, fp32 FMA floor of the 3 passes (ms), as printed.
@@ -89,7 +90,7 @@ def test_memory_floor_reproduces_published_s4():
 
 def test_benchmark_set_is_the_anchor_files_set():
     data = json.loads(bench.DEFAULT_ANCHORS.read_text())
-    assert data["schema"] == bench.SCHEMA and data["kind"] == "anchors"
+    assert data["schema"] == SCHEMA and data["kind"] == "anchors"
     anchored = {(e["shape"], tuple(e["nchw"]), e["k"], e["dtype"]) for e in data["rows"] if e["source"] == "pytorch"}
     ours = {(c.shape, c.nchw, c.k, c.dtype) for c in bench.select_configs()}
     assert ours == anchored
@@ -136,11 +137,11 @@ def test_benchmark_json_schema_with_fake_timer():
     total = {p: random.uniform(1, 9) for p in bench.PASSES}
     anchors = {(configs[0].nchw, configs[0].k, "fp32"): {"megengine": {**total, "total": sum(total.values())}}}
     calls = []
-    command = bench.command_line(["--quick", "--dtypes", "fp32,bf16", "--json", "out dir/b.json"])
+    command = command_line(["--quick", "--dtypes", "fp32,bf16", "--json", "out dir/b.json"])
     report = bench.benchmark(configs, fake_timer(calls), "fake", torch.device("cpu"), anchors=anchors, command=command)
     report = json.loads(json.dumps(report))  # JSON-serializable as written
 
-    assert (report["schema"], report["kind"]) == (bench.SCHEMA, "kernels")
+    assert (report["schema"], report["kind"]) == (SCHEMA, "kernels")
     env = report["environment"]
     assert {"gpu", "gpu_count", "driver", "torch", "cuda", "cudnn", "commit", "dirty", "date"} <= set(env)
     assert (env["gpu"], env["torch"]) == ("cpu", torch.__version__)
@@ -300,26 +301,35 @@ def test_anchors_read_both_formats_alike(tmp_path):
 
 def test_record_round_trip_and_legacy_format(tmp_path):
     configs = tiny_configs()
-    report = bench.benchmark(configs, fake_timer(), "fake", torch.device("cpu"), command=bench.command_line([]))
+    report = bench.benchmark(configs, fake_timer(), "fake", torch.device("cpu"), command=command_line([]))
     path = tmp_path / "record.json"
     path.write_text(json.dumps(report))
-    assert bench.load_record(path) == json.loads(json.dumps(report))
+    assert load_record(path) == json.loads(json.dumps(report))
     legacy = {"meta": {"device": "NVIDIA H100", "torch": "2.11", "cuda": "13.0", "date": "2026-01-01",
                        "timer": "fake", "argv": ["/x/lkcnn/bench.py", "--quick"]}, "results": report["rows"]}
     path.write_text(json.dumps(legacy))
-    record = bench.load_record(path)
+    record = load_record(path)
     assert record["environment"]["gpu"] == "NVIDIA H100" and record["command"] == "python -m lkcnn.bench --quick"
     assert record["method"] == {"timer": "fake"} and record["rows"] == legacy["results"]
     path.write_text(json.dumps({"images_per_s": 1.0}))
     with pytest.raises(ValueError, match="not an lkcnn benchmark record"):
-        bench.load_record(path)
+        load_record(path)
 
 
 def test_committed_kernel_record_is_current_schema():
     """benchmarks/h100_kernels.json (what the README and the notebook read) loads and holds the quick set's rows."""
-    record = bench.load_record(bench.ROOT / "benchmarks" / "h100_kernels.json")
-    assert record["schema"] == bench.SCHEMA and "H100" in record["environment"]["gpu"]
+    record = load_record(bench.ROOT / "benchmarks" / "h100_kernels.json")
+    assert record["schema"] == SCHEMA and "H100" in record["environment"]["gpu"]
     assert len(record["environment"]["commit"]) == 40 and record["command"].startswith("python -m lkcnn.bench")
     for row in record["rows"]:
         assert row["lkcnn"]["total"] == pytest.approx(sum(row["lkcnn"][p] for p in bench.PASSES), rel=1e-6)
         assert row["speedup_vs_torch"]["total"] > 1
+
+
+@pytest.mark.parametrize("command", ["e2e", "loader", "app"])
+def test_subcommands_answer_help(command):
+    proc = subprocess.run([sys.executable, "-m", "lkcnn.bench", command, "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=bench.ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: lkcnn-bench {command} ")
+    assert f"python -m lkcnn.bench {command}" in proc.stdout  # the usage examples of its docstring

@@ -1,5 +1,5 @@
-"""scripts/loader_bench.py on the CPU: it times train.py's own training loader, sizes the loader for a training rate
-and says when the data is too small."""
+"""`python -m lkcnn.bench loader` on the CPU: it times train.py's own training loader, sizes the loader for a
+training rate and says when the data is too small."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ TINY = ["data=synthetic", "data.num_classes=10", "data.img_size=16", "data.batch
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/loader_bench.py", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lkcnn.bench", "loader", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, check=False)
 
 

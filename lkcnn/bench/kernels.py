@@ -1,4 +1,5 @@
-"""`python -m lkcnn.bench` (`lkcnn-bench`): lkcnn's depthwise-conv kernels against PyTorch's best backend, on a GPU.
+"""`python -m lkcnn.bench [kernels]` (`lkcnn-bench`): lkcnn's depthwise-conv kernels against PyTorch's best backend,
+on a GPU.
 
 For each shape, kernel size and dtype of the benchmark set it times the three passes of lkcnn's op (forward, grad wrt
 input, grad wrt weight) and the same passes in PyTorch (cuDNN on/off x NCHW/channels_last, all measured in this run),
@@ -10,15 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import itertools
 import json
 import math
-import platform
-import shlex
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lkcnn.bench import ROOT, timing
+from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.ops import build, reference, set_conv_impl  # importing lkcnn.ops registers torch.ops.lkcnn.*
 
 # The benchmark set: the MegEngine article's shape and RepLKNet-31B's four stages, exactly the (shape, k) pairs of
@@ -63,9 +61,7 @@ REP_MS = 40.0
 SLOW_MS = 10.0
 MIN_REPS = 3
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHORS = ROOT / "benchmarks" / "h100_anchors.json"
-SCHEMA = "lkcnn-benchmark/1"  # the record format of benchmarks/README.md
 Timer = Callable[[Callable[[], object]], float]
 Anchors = dict[tuple[tuple[int, ...], int, str], dict[str, dict[str, float]]]
 
@@ -232,68 +228,19 @@ def load_anchors(path: str | Path) -> tuple[str, Anchors]:
                          f"<pass>_ms times): {type(err).__name__}: {err}") from None
 
 
-def load_record(path: str | Path) -> dict[str, Any]:
-    """A kernel benchmark record (benchmarks/README.md's schema), as written by `--json`. A file of the older
-    {"meta", "results"} format is returned in the schema (its environment as far as it was recorded)."""
-    path = Path(path)
-    data = json.loads(path.read_text())
-    if isinstance(data, dict) and {"environment", "command", "rows"} <= data.keys():
-        return data
-    if isinstance(data, dict) and {"meta", "results"} <= data.keys():
-        meta = data["meta"]
-        argv = [a for a in meta.get("argv", []) if not a.endswith("bench.py")]
-        env = {"gpu": meta.get("device"), "sm_count": meta.get("sm_count"), "driver": None,
-               "torch": meta.get("torch"), "cuda": meta.get("cuda"), "cudnn": meta.get("cudnn"),
-               "triton": meta.get("triton"), "commit": None, "date": meta.get("date")}
-        how = {k: v for k, v in meta.items() if k not in env and k not in ("device", "argv")}
-        return {"schema": SCHEMA, "kind": "kernels", "environment": env, "command": command_line(argv),
-                "method": how, "rows": data["results"]}
-    raise ValueError(f"{path} is not an lkcnn benchmark record (needs environment, command and rows)")
-
-
 # ----------------------------------------------------------------------------------------------- timing
-def _estimate_ms(fn: Callable[[], object]) -> float:
-    """One warm call's GPU time; the call before it absorbs JIT builds and cuDNN autotuning."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return max(start.elapsed_time(end), 1e-3)
-
-
-def _event_median(fn: Callable[[], object], reps: int) -> float:
-    """Median of `reps` CUDA-event timings of back-to-back runs."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def _events_timer(fn: Callable[[], object]) -> float:
-    """CUDA events after a warm-up, median of many runs (used when triton is not installed)."""
-    estimate = _estimate_ms(fn)
-    for _ in range(int(WARMUP_MS / estimate)):
-        fn()
-    return _event_median(fn, max(MIN_REPS, int(REP_MS / estimate)))
-
-
 def gpu_timer() -> tuple[str, Timer]:
     """(name, timer): triton's do_bench median (it flushes L2 between runs) when triton imports, else CUDA events;
     either way a function slower than SLOW_MS gets only MIN_REPS timed runs."""
     try:
         from triton.testing import do_bench
     except ImportError:
-        return "CUDA events median", _events_timer
+        return "CUDA events median", functools.partial(timing.budget_median_ms, warmup_ms=WARMUP_MS, rep_ms=REP_MS,
+                                                       min_reps=MIN_REPS)
 
     def timer(fn: Callable[[], object]) -> float:
-        if _estimate_ms(fn) > SLOW_MS:
-            return _event_median(fn, MIN_REPS)
+        if timing.estimate_ms(fn) > SLOW_MS:
+            return timing.median_ms(fn, MIN_REPS)
         return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
     return "triton.testing.do_bench median", timer
 
@@ -405,47 +352,6 @@ def run(configs: Sequence[Config], timer: Timer, device: torch.device, with_torc
 
 
 # ----------------------------------------------------------------------------------------------- report
-def _run_quietly(args: Sequence[str]) -> str | None:
-    """The stripped stdout of a helper command (git, nvidia-smi), or None when it is missing or fails."""
-    try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=20, cwd=ROOT)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
-def git_state() -> dict[str, Any]:
-    """The commit of the checkout the benchmark ran from, and whether tracked files differed from it."""
-    commit = _run_quietly(["git", "rev-parse", "HEAD"])
-    status = _run_quietly(["git", "status", "--porcelain", "--untracked-files=no"]) if commit else None
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
-
-
-def command_line(argv: Sequence[str]) -> str:
-    """The command that reproduces a run with these flags."""
-    return shlex.join(["python", "-m", "lkcnn.bench", *argv])
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """Where the numbers were taken: GPU, driver, library versions, commit and date (the record's environment)."""
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    cuda = device.type == "cuda"
-    driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else None
-    return {
-        "gpu": torch.cuda.get_device_name(device) if cuda else str(device),
-        "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if cuda else None,
-        "driver": driver.splitlines()[0] if driver else None,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-        "triton": triton_version, "python": platform.python_version(), **git_state(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-
-
 def method(timer_name: str) -> dict[str, Any]:
     """How the numbers were taken: timer, units, PyTorch's variants and the floors."""
     return {
@@ -465,9 +371,8 @@ def benchmark(configs: Sequence[Config], timer: Timer, timer_name: str, device: 
     """The whole record: schema, kind, environment, the command, the method (with `extra`), one row per config."""
     start = time.perf_counter()
     rows = run(configs, timer, device, with_torch, anchors)
-    return {"schema": SCHEMA, "kind": "kernels", "environment": environment(device), "command": command,
-            "method": {**method(timer_name), **extra, "wall_s": round(time.perf_counter() - start, 1)},
-            "rows": rows}
+    return make_record("kernels", device, command,
+                       {**method(timer_name), **extra, "wall_s": round(time.perf_counter() - start, 1)}, rows)
 
 
 TABLE_HEADER = ("shape", "k", "dtype", "fwd", "dgrad", "wgrad", "total", "torch", "speedup", "MegEngine", "xMegE",
@@ -552,7 +457,9 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lkcnn-bench", description="Time lkcnn's depthwise-conv passes against PyTorch's best backend on a GPU.")
+        prog="lkcnn-bench", description="Time lkcnn's depthwise-conv passes against PyTorch's best backend on a GPU.",
+        epilog="The other benchmarks: lkcnn-bench e2e (training steps of whole networks), loader (the input "
+               "pipeline), app (where the training app's step time goes); each takes --help.")
     parser.add_argument("--shapes", type=_csv(str.strip), help=f"comma list of {','.join(SHAPES)} (default all)")
     parser.add_argument("--ks", type=_csv(int), help="comma list of kernel sizes to keep (default all of the shape)")
     parser.add_argument("--dtypes", type=_csv(str.strip), help=f"comma list of {','.join(DTYPES)} (default all)")
@@ -600,8 +507,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = benchmark(configs, timer, timer_name, torch.device("cuda"), not args.no_torch, anchors,
                        command=command_line(sys.argv[1:] if argv is None else argv), lkcnn_extension=extension,
                        anchors_file={"path": args.anchors or None, "device": anchors_device})
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
+    write_record(args.json, report)
     print(f"wrote {args.json} ({len(configs)} configs in {report['method']['wall_s']} s)")
     if args.plot:
         try:
@@ -611,6 +517,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"lkcnn-bench: no plot: {err}")
     print(format_table(report["rows"]))
 
-
-if __name__ == "__main__":
-    main()

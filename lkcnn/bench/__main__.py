@@ -1,0 +1,22 @@
+"""`python -m lkcnn.bench [kernels|e2e|loader|app] ...` (`lkcnn-bench`): one entry point for lkcnn's benchmarks.
+
+Without a subcommand it runs the kernel benchmark, so `python -m lkcnn.bench --quick` means what it always has.
+Only the chosen benchmark's module is imported.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS = ("kernels", "e2e", "loader", "app")  # modules of lkcnn.bench, each with main(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "kernels"
+    importlib.import_module(f"lkcnn.bench.{command}").main(argv)
+
+
+if __name__ == "__main__":
+    main()

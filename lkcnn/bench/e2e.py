@@ -1,0 +1,221 @@
+"""`python -m lkcnn.bench e2e`: whole-network training throughput (bf16 autocast, AdamW) on one GPU: lkcnn's kernels
+vs PyTorch's convolution vs the same net with 3x3 kernels, and against other timm networks (e.g. convnext_base).
+The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydra/Lightning route is
+`python train.py model=replknet31b data=synthetic ...`, and this needs neither.
+
+    python -m lkcnn.bench e2e [--models replknet31b,convnext_base] [--batch 64] [--steps 20] [--channels-last]
+                              [--compile] [--cuda-graph] [--repeat 3] [--json FILE]
+    python -m lkcnn.bench e2e --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+
+from lkcnn.bench import timing
+from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
+from lkcnn.ops import set_conv_impl
+
+SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
+VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
+    "cuda": ("lkcnn kernels, every depthwise conv", "cuda", {}),
+    # the default dispatch: large kernels on lkcnn, small ones (under AUTO_MIN_KERNEL) on cuDNN
+    "auto": ("lkcnn 'auto' (small kernels on cuDNN)", "auto", {}),
+    "torch": ("PyTorch conv", "torch", {}),
+    "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", SMALL),
+    "torch3": ("PyTorch conv, 3x3, no small branch", "torch", SMALL),
+}
+Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation, model keywords)
+
+
+# ----------------------------------------------------------------------------------------------- one variant
+def setup(name: str, impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph: bool = False,
+          **model_kwargs) -> tuple[Callable[[], None], tuple]:
+    """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast. With
+    cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays it: no host
+    time per step, so the GPU's own time per step is what is measured."""
+    set_conv_impl(impl)
+    model = timm.create_model(name, **model_kwargs).cuda()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if compile:
+        model.compile()  # as the training app's `compile=true` does; the warm-up steps absorb the compilation
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=cuda_graph)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+
+    def step() -> None:
+        # autocast's weight-cast cache must be off under capture (cached casts would outlive the graph's pool)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cuda_graph):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    if not cuda_graph:
+        return step, (model, opt, x, y)
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay, (model, opt, x, y, graph)
+
+
+def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+                 cuda_graph: bool = False, **model_kwargs) -> float:
+    """Training images/s of one variant: wall time of `steps` steps after `warmup`, the GPU synchronized."""
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step_ms = timing.mean_ms(step, steps, warmup, wall=True)
+    # hand this variant's memory back: a variant run after PyTorch's large-kernel convolution (large workspaces)
+    # measured 22% slower on its fragmented cache than in a fresh process
+    del step, state
+    torch.cuda.empty_cache()
+    return batch / step_ms * 1e3
+
+
+def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+                   cuda_graph: bool = False, top: int = 30, **model_kwargs) -> str:
+    """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first), and
+    the GPU's busy time per step against the wall time per step (a gap is host time the GPU waits for)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_ms = timing.mean_ms(step, steps, wall=True)
+    events = prof.key_averages()
+    # kernels only: operator rows carry their kernels' time too
+    busy_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
+    del step, state
+    torch.cuda.empty_cache()
+    table = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70)
+    return f"{table}\nper step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms (kernels, summed)"
+
+
+# ----------------------------------------------------------------------------------------------- the run
+def jobs(models: Sequence[str], runs: Sequence[str]) -> dict[str, Job]:
+    """The variants to time, by label: each of `runs` for lkcnn's models (the 3x3 ones for RepLKNet only), one run
+    on PyTorch's convolutions for any other timm network (a peer)."""
+    lkcnn_models = set(list_models())
+    out: dict[str, Job] = {}
+    for model in models:
+        if model not in lkcnn_models:
+            out[f"{model} (timm)"] = (model, "torch", {})
+            continue
+        for key in runs:
+            if key.endswith("3") and not model.startswith("replknet"):  # the 3x3 variant takes RepLKNet's keywords
+                continue
+            label, impl, kwargs = VARIANTS[key]
+            out[f"{model}: {label}"] = (model, impl, kwargs)
+    return out
+
+
+def measure(variants: dict[str, Job], repeat: int, **common) -> dict[str, list[float]]:
+    """images/s of every variant, `repeat` rounds of all variants in turn: single runs of one variant spread by 20%
+    and more between calls, so a ratio is read from medians of interleaved runs."""
+    samples: dict[str, list[float]] = {label: [] for label in variants}
+    for _ in range(repeat):
+        for label, (model, impl, kwargs) in variants.items():
+            samples[label].append(images_per_s(model, impl, **common, **kwargs))
+    return samples
+
+
+def regime(args: argparse.Namespace) -> str:
+    """The step's mode as one phrase: compiled, channels_last, CUDA graph, or eager."""
+    modes = [name for name, on in (("compiled", args.compile), ("channels_last", args.channels_last),
+                                   ("CUDA graph", args.cuda_graph)) if on]
+    return ", ".join(modes) or "eager"
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Each variant's median images/s over its rounds."""
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def table(samples: dict[str, list[float]], args: argparse.Namespace) -> str:
+    """The printed result: one line per variant, its median images/s and its ratio to the first variant's."""
+    ips_by_label = medians(samples)
+    first = next(iter(ips_by_label.values()))
+    lines = [f"batch {args.batch}, 224px, bf16 autocast, AdamW, {regime(args)}, {torch.cuda.get_device_name()}"]
+    for label, ips in ips_by_label.items():
+        each = f"  (runs: {', '.join(f'{v:.1f}' for v in samples[label])})" if args.repeat > 1 else ""
+        lines.append(f"{label:56s} {ips:8.1f} img/s  {ips / first:5.2f}x{each}")
+    return "\n".join(lines)
+
+
+def record(samples: dict[str, list[float]], variants: dict[str, Job], args: argparse.Namespace,
+           argv: Sequence[str]) -> dict[str, Any]:
+    """The `train_e2e` benchmark record: one row per variant (network, variant, median images/s, ratio, runs)."""
+    ips_by_label = medians(samples)
+    first = next(iter(ips_by_label.values()))
+    rows = [{"network": variants[label][0], "variant": label.split(": ", 1)[-1], "images_per_s": ips,
+             "ratio_to_first": ips / first, "runs": samples[label]} for label, ips in ips_by_label.items()]
+    method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized",
+              "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
+              "regime": regime(args), "dtype": "bf16 autocast"}
+    return make_record("train_e2e", torch.device("cuda"), command_line(["e2e", *argv]), method, rows)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lkcnn-bench e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=lambda s: s.split(","), default=["replknet31b"],
+                        help="comma list of timm names; lkcnn's models run each of --runs, others run once")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (use --warmup 3 or more)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of all variants; medians are printed")
+    parser.add_argument("--json", default="", help="write a train_e2e benchmark record here")
+    parser.add_argument("--runs", type=lambda s: s.split(","), default=list(VARIANTS),
+                        help=f"comma list of {','.join(VARIANTS)} (default all)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture each variant's whole training step in a CUDA graph and replay it (GPU time only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of throughput: GPU time per kernel of each --runs variant over --steps steps")
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unknown = set(args.runs) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
+    missing = [m for m in args.models if not timm.is_model(m)]
+    if missing:
+        parser.error(f"--models: {missing} are not timm model names")
+    if not torch.cuda.is_available():
+        sys.exit("lkcnn-bench e2e: no CUDA device is visible; it times training steps on a GPU")
+    variants = jobs(args.models, args.runs)
+    common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
+                  compile=args.compile, cuda_graph=args.cuda_graph)
+    if args.profile:
+        for label, (model, impl, kwargs) in variants.items():
+            print(f"== {label}")
+            print(kernel_profile(model, impl, **common, **kwargs))
+        return
+    samples = measure(variants, args.repeat, **common)
+    print(table(samples, args))
+    if args.json:
+        write_record(args.json, record(samples, variants, args, argv))
+        print(f"wrote {args.json}")
