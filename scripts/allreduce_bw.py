@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+from lkcnn.bench import timing
 from lkcnn.ops.sync_batchnorm import all_reduce_sum, enable_nvlink_exchange
 
 
@@ -27,16 +28,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     for mbytes in (25, 319):
         t = torch.ones(mbytes * 2**20 // 4, device="cuda")
-        for _ in range(5):
-            dist.all_reduce(t)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(20):
-            dist.all_reduce(t)
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / 20
+        seconds = timing.mean_ms(lambda: dist.all_reduce(t), reps=20, warmup=5) / 1e3
         if rank == 0:
             busbw = t.numel() * 4 * 2 * (world - 1) / world / seconds / 1e9
             print(f"all_reduce {mbytes} MB x {world} GPUs: {seconds * 1e3:.2f} ms, bus bandwidth {busbw:.0f} GB/s")
@@ -70,17 +62,10 @@ def _latency(name: str, all_reduce, rank: int, world: int) -> None:
     with torch.cuda.graph(graph):
         for _ in range(100):
             all_reduce()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for how, step in (("eager", lambda: [all_reduce() for _ in range(100)]), ("CUDA graph", graph.replay)):
-        step()
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(10):
-            step()
-        end.record()
-        torch.cuda.synchronize()
+        us = timing.mean_ms(step, reps=10, warmup=1) * 1e3 / 100  # a step is 100 all-reduces
         if rank == 0:
-            print(f"all_reduce 8 KB x {world} GPUs, {name}, {how}: {start.elapsed_time(end) * 1e3 / 1000:.1f} us each")
+            print(f"all_reduce 8 KB x {world} GPUs, {name}, {how}: {us:.1f} us each")
     del graph  # a graph that captured NCCL collectives must go before the process group (pytorch/pytorch#115388)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lkcnn.bench import timing
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 
 SHAPES = [(64, 128, 56, 56), (64, 256, 28, 28), (64, 512, 14, 14), (64, 1024, 7, 7)]
@@ -30,19 +30,13 @@ def modules(c: int) -> dict[str, nn.Module]:
 
 
 def per_call_ms(fn, reps: int, events: bool) -> float:
-    """Mean ms per call: CUDA events (GPU time) or the host clock with one synchronization at the end (host time)."""
+    """Mean ms per call after 5 warm-up calls, the ranks started together: CUDA events (GPU time) or the host clock
+    with one synchronization at the end (host time, as long as the GPU keeps up)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps if events else (time.perf_counter() - t0) * 1e3 / reps
+    return timing.mean_ms(fn, reps, wall=not events)
 
 
 def layer_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from lkcnn.bench import timing
+
 SOURCE = r"""
 #include <torch/extension.h>
 #include <cstdint>
@@ -57,12 +59,7 @@ def main() -> None:
             blocks, threads = sms * warps // 4, 128
             out = torch.empty(blocks * threads, device="cuda")
             ext.run(out, blocks, threads, chains, 64)  # warm-up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            ext.run(out, blocks, threads, chains, iters)
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
+            seconds = timing.mean_ms(lambda: ext.run(out, blocks, threads, chains, iters), reps=1) / 1e3
             mmas = blocks * threads // 32 * chains * iters
             tflops = mmas * 2 * 16 * 8 * 16 / seconds / 1e12
             print(f"{chains:6d}  {warps:8d}  {mmas / seconds / sms / 1e9:17.3f}  {tflops:7.1f}")
