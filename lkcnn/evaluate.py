@@ -32,7 +32,7 @@ def _one_line(message: str) -> str:
 
 
 def compose_data(overrides: Sequence[str]) -> Any:
-    """train.py's config composed with `overrides` (Hydra, as scripts/loader_bench.py does); only data keys may
+    """train.py's config composed with `overrides` (Hydra, as `python -m lkcnn.bench loader` does); only data keys may
     change, since nothing else of the config is used."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
