@@ -1,5 +1,6 @@
-"""The one way lkcnn's benchmarks time work: warm-up calls, then a median over single calls or a mean over
-back-to-back calls, on CUDA events where the work runs on a GPU and on the host clock where it runs on the CPU.
+"""The one way lkcnn times work: warm-up calls, then a median over single calls or a mean over back-to-back calls,
+on CUDA events where the work runs on a GPU and on the host clock where it runs on the CPU. `mark` and `elapsed_ms`
+are the clock itself, for timings taken between hooks (the per-layer KernelTimingCallback).
 
 Events, because a launch returns before its kernels run: the host clock would time the launches unless the GPU were
 synchronized around every call, which adds that latency to each. Events sit in the stream between the calls and are
@@ -15,6 +16,7 @@ from time import perf_counter
 import torch
 
 Device = torch.device | str | None
+Mark = float | torch.cuda.Event  # a point in time: perf_counter() seconds, or an event recorded in a GPU stream
 
 
 def on_gpu(device: Device = None) -> bool:
@@ -28,15 +30,17 @@ def synchronize(device: Device = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _mark(events: bool) -> torch.cuda.Event | float:
-    if not events:
+def mark(device: Device = None) -> Mark:
+    """Now, on `device`'s clock: an event recorded in its current stream on a GPU, the host clock on the CPU."""
+    if not on_gpu(device):
         return perf_counter()
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 
-def _elapsed_ms(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+def elapsed_ms(start: Mark, end: Mark) -> float:
+    """ms from one mark to a later one of the same clock (events must have completed: synchronize first)."""
     return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
 
 
@@ -44,14 +48,13 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 0, device: Devi
     """Median ms of `reps` single calls of `fn`, run back to back after `warmup` calls."""
     for _ in range(warmup):
         fn()
-    events = on_gpu(device)
     marks = []
     for _ in range(reps):
-        start = _mark(events)
+        start = mark(device)
         fn()
-        marks.append((start, _mark(events)))
+        marks.append((start, mark(device)))
     synchronize(device)
-    return statistics.median(_elapsed_ms(start, end) for start, end in marks)
+    return statistics.median(elapsed_ms(start, end) for start, end in marks)
 
 
 def mean_ms(fn: Callable[[], object], reps: int, warmup: int = 0, device: Device = None, wall: bool = False) -> float:
@@ -61,15 +64,15 @@ def mean_ms(fn: Callable[[], object], reps: int, warmup: int = 0, device: Device
     for _ in range(warmup):
         fn()
     synchronize(device)
-    events = on_gpu(device) and not wall
-    start = _mark(events)
+    clock = "cpu" if wall else device  # "cpu": the host clock
+    start = mark(clock)
     for _ in range(reps):
         fn()
-    if not events:
-        synchronize(device)
-    end = _mark(events)
+    if not on_gpu(clock):
+        synchronize(device)  # the host waits for the GPU before it reads the clock
+    end = mark(clock)
     synchronize(device)
-    return _elapsed_ms(start, end) / reps
+    return elapsed_ms(start, end) / reps
 
 
 def estimate_ms(fn: Callable[[], object], device: Device = None) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch.nn as nn
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from torch.utils.hooks import RemovableHandle
 
+from lkcnn.bench.timing import Mark, elapsed_ms, mark
 from lkcnn.layers import LargeKernelConv
 from lkcnn.ops import implementation as op_implementation  # the op's own dispatch: the table matches what ran
 
@@ -35,21 +35,6 @@ log = logging.getLogger(__name__)
 
 COLUMNS = ("step", "layer", "kernel_size", "input_shape", "dtype", "implementation", "fwd_ms", "bwd_ms")
 MIN_SAMPLES = 3  # timed steps below which a fit warns: no mean or spread worth reading
-Mark = float | torch.cuda.Event  # a point in time: perf_counter() seconds on the CPU, a recorded event on a GPU
-
-
-def _mark(device: torch.device) -> Mark:
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
-        return event
-    return time.perf_counter()
-
-
-def _elapsed_ms(start: Mark, end: Mark) -> float:
-    if isinstance(start, float):
-        return (end - start) * 1e3
-    return start.elapsed_time(end)
 
 
 def implementation(module: LargeKernelConv, x: torch.Tensor) -> str:
@@ -124,18 +109,18 @@ class KernelTimingCallback(L.Callback):
             layer.input_shape = "x".join(map(str, x.shape))
             layer.dtype = str(dtype).removeprefix("torch.")
             layer.implementation = implementation(module, x)
-        layer.fwd_start = _mark(x.device)
+        layer.fwd_start = mark(x.device)
 
     def _fwd_post(self, module: LargeKernelConv, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         layer = self._layers[module]
-        layer.fwd.append((layer.fwd_start, _mark(output.device)))
+        layer.fwd.append((layer.fwd_start, mark(output.device)))
 
     def _bwd_pre(self, module: LargeKernelConv, grad_output: tuple[torch.Tensor, ...]) -> None:
-        self._layers[module].bwd_start = _mark(module.weight.device)
+        self._layers[module].bwd_start = mark(module.weight.device)
 
     def _bwd_post(self, module: LargeKernelConv, grad_input: Any, grad_output: Any) -> None:
         layer = self._layers[module]
-        layer.bwd.append((layer.bwd_start, _mark(module.weight.device)))
+        layer.bwd.append((layer.bwd_start, mark(module.weight.device)))
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -153,8 +138,8 @@ class KernelTimingCallback(L.Callback):
         rows = [{"step": self._timed_step, "layer": layer.name,
                  "kernel_size": "x".join(map(str, module.kernel_size)), "input_shape": layer.input_shape,
                  "dtype": layer.dtype, "implementation": layer.implementation,
-                 "fwd_ms": sum(_elapsed_ms(*pair) for pair in layer.fwd),
-                 "bwd_ms": sum(_elapsed_ms(*pair) for pair in layer.bwd) if layer.bwd else None}
+                 "fwd_ms": sum(elapsed_ms(*pair) for pair in layer.fwd),
+                 "bwd_ms": sum(elapsed_ms(*pair) for pair in layer.bwd) if layer.bwd else None}
                 for module, layer in self._layers.items() if layer.fwd]  # layers that ran (not the EMA copy)
         self._layers.clear()
         if not trainer.is_global_zero:
