@@ -6,6 +6,7 @@ The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydr
     python -m lkcnn.bench e2e [--models replknet31b,convnext_base] [--batch 64] [--steps 20] [--channels-last]
                               [--compile] [--cuda-graph] [--repeat 3] [--json FILE]
     python -m lkcnn.bench e2e --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
+    python -m lkcnn.bench e2e --compare convnext_base [--json FILE]   # compiled: vs the peer and the 3x3 twin
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from lkcnn.bench import timing
+from lkcnn.bench.profile import by_category, kernel_table
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.ops import set_conv_impl
 
+COMPILE_MODE = "reduce-overhead"  # the training app's module.compile=auto on a GPU
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
 VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "cuda": ("lkcnn kernels, every depthwise conv", "cuda", {}),
@@ -37,17 +40,18 @@ Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation, model 
 
 
 # ----------------------------------------------------------------------------------------------- one variant
-def setup(name: str, impl: str, batch: int, channels_last: bool, compile: bool, cuda_graph: bool = False,
+def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | None, cuda_graph: bool = False,
           **model_kwargs) -> tuple[Callable[[], None], tuple]:
-    """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast. With
-    cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays it: no host
-    time per step, so the GPU's own time per step is what is measured."""
+    """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast; `compile` a
+    torch.compile mode ("default" for torch's) or None for eager. With cuda_graph, the whole step (forward, backward,
+    optimizer) is captured once and each step replays it: no host time per step, so the GPU's own time per step is
+    what is measured."""
     set_conv_impl(impl)
     model = timm.create_model(name, **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if compile:
-        model.compile()  # as the training app's `compile=true` does; the warm-up steps absorb the compilation
+    if compile:  # in place, as the training app compiles; the warm-up steps absorb the compilation
+        model.compile(mode=None if compile == "default" else compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=cuda_graph)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     if channels_last:
@@ -76,19 +80,44 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: bool, 
     return graph.replay, (model, opt, x, y, graph)
 
 
-def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
                  cuda_graph: bool = False, **model_kwargs) -> float:
     """Training images/s of one variant: wall time of `steps` steps after `warmup`, the GPU synchronized."""
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
     step_ms = timing.mean_ms(step, steps, warmup, wall=True)
-    # hand this variant's memory back: a variant run after PyTorch's large-kernel convolution (large workspaces)
-    # measured 22% slower on its fragmented cache than in a fresh process
     del step, state
-    torch.cuda.empty_cache()
+    release()
     return batch / step_ms * 1e3
 
 
-def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: bool,
+def release() -> None:
+    """Hand a variant's memory back: a variant run after PyTorch's large-kernel convolution (large workspaces) measured
+    22% slower on its fragmented cache than in a fresh process; a compiled one also holds CUDA-graph pools."""
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
+def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
+                cuda_graph: bool = False, profile_steps: int = 5, **model_kwargs) -> dict[str, Any]:
+    """One variant from one setup (a compiled one compiles once): its images/s (wall time of `steps` steps after
+    `warmup`) and its GPU time per step by cost category over `profile_steps` more steps under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step_ms = timing.mean_ms(step, steps, warmup, wall=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(profile_steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = kernel_table(prof.key_averages())
+    del step, state
+    release()
+    return {"images_per_s": batch / step_ms * 1e3, "step_ms": step_ms,
+            "gpu_ms_by_category": by_category(kernels, profile_steps),
+            "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / profile_steps}
+
+
+def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
                    cuda_graph: bool = False, top: int = 30, **model_kwargs) -> str:
     """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first), and
     the GPU's busy time per step against the wall time per step (a gap is host time the GPU waits for)."""
@@ -104,7 +133,7 @@ def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, ch
     # kernels only: operator rows carry their kernels' time too
     busy_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
     del step, state
-    torch.cuda.empty_cache()
+    release()
     table = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70)
     return f"{table}\nper step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms (kernels, summed)"
 
@@ -137,9 +166,48 @@ def measure(variants: dict[str, Job], repeat: int, **common) -> dict[str, list[f
     return samples
 
 
+def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
+    """`--compare`: each of `models` under the default dispatch, RepLKNet's 3x3 twin, then `peer`; one row each with
+    images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category."""
+    rows = []
+    for model in models:
+        for key in ("auto", "torch3"):
+            if key == "torch3" and not model.startswith("replknet"):
+                continue
+            _, impl, kwargs = VARIANTS[key]
+            rows.append({"network": model if key == "auto" else f"{model} 3x3", "model": model, "variant": key,
+                         **step_report(model, impl, channels_last=True, **common, **kwargs)})
+    rows.append({"network": peer, "model": peer, "variant": "timm",
+                 **step_report(peer, "torch", channels_last=True, **common)})
+    peer_ips = rows[-1]["images_per_s"]
+    twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "torch3"}
+    for row in rows:
+        row[f"ratio_to_{peer}"] = row["images_per_s"] / peer_ips
+        if row["variant"] == "auto" and row["model"] in twins:
+            row["ratio_to_3x3"] = row["images_per_s"] / twins[row["model"]]
+    return rows
+
+
+def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """`--compare`'s printout: images/s and ratios per network, then GPU ms per step by category."""
+    peer = args.compare
+    lines = [f"batch {args.batch}, 224 px, bf16 autocast, fused AdamW, {regime(args)}, {torch.cuda.get_device_name()}",
+             f"{'network':24s} {'img/s':>8s} {'x ' + peer:>18s} {'x own 3x3':>10s} {'step ms':>8s} {'GPU busy':>9s}"]
+    for row in rows:
+        twin = f"{row['ratio_to_3x3']:.2f}x" if "ratio_to_3x3" in row else "-"
+        lines.append(f"{row['network']:24s} {row['images_per_s']:8.1f} {row[f'ratio_to_{peer}']:17.2f}x "
+                     f"{twin:>10s} {row['step_ms']:8.1f} {row['gpu_busy_ms']:9.1f}")
+    categories = list(dict.fromkeys(c for row in rows for c in row["gpu_ms_by_category"]))
+    lines += ["", f"{'GPU ms per step':44s}" + "".join(f"{row['network']:>20s}" for row in rows)]
+    for cat in categories:
+        cells = (row["gpu_ms_by_category"].get(cat) for row in rows)
+        lines.append(f"{cat:44s}" + "".join(f"{c:20.2f}" if c is not None else f"{'-':>20s}" for c in cells))
+    return "\n".join(lines)
+
+
 def regime(args: argparse.Namespace) -> str:
     """The step's mode as one phrase: compiled, channels_last, CUDA graph, or eager."""
-    modes = [name for name, on in (("compiled", args.compile), ("channels_last", args.channels_last),
+    modes = [name for name, on in ((f"compiled ({args.compile})", args.compile), ("channels_last", args.channels_last),
                                    ("CUDA graph", args.cuda_graph)) if on]
     return ", ".join(modes) or "eager"
 
@@ -183,7 +251,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--channels-last", action="store_true")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (use --warmup 3 or more)")
+    parser.add_argument("--compile", nargs="?", const=COMPILE_MODE, default=None, metavar="MODE",
+                        help=f"torch.compile the model in this mode (alone: {COMPILE_MODE}, as the training app "
+                             "compiles on a GPU; 'default' for torch's default mode); use --warmup 3 or more")
+    parser.add_argument("--compare", metavar="PEER", default=None,
+                        help="the comparison table: each --models network as users run it (default dispatch), its "
+                             "3x3 twin and the timm network PEER, images/s, ratios and GPU ms per step by category; "
+                             "compiled and channels_last unless --compile/--channels-last say otherwise")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of all variants; medians are printed")
     parser.add_argument("--json", default="", help="write a train_e2e benchmark record here")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=list(VARIANTS),
@@ -204,8 +278,24 @@ def main(argv: Sequence[str]) -> None:
     missing = [m for m in args.models if not timm.is_model(m)]
     if missing:
         parser.error(f"--models: {missing} are not timm model names")
+    if args.compare and not timm.is_model(args.compare):
+        parser.error(f"--compare: {args.compare!r} is not a timm model name")
     if not torch.cuda.is_available():
         sys.exit("lkcnn-bench e2e: no CUDA device is visible; it times training steps on a GPU")
+    if args.compare:
+        args.compile, args.channels_last = args.compile or COMPILE_MODE, True
+        rows = compare(args.models, args.compare, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                       compile=args.compile)
+        print(compare_table(rows, args))
+        if args.json:
+            method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized; categories: "
+                               "torch.profiler kernel times over 5 more steps",
+                      "units": "training images/s (forward, backward, AdamW step); GPU ms per step",
+                      "batch": args.batch, "regime": regime(args), "dtype": "bf16 autocast"}
+            write_record(args.json, make_record("train_e2e_compare", torch.device("cuda"),
+                                                command_line(["e2e", *argv]), method, rows))
+            print(f"wrote {args.json}")
+        return
     variants = jobs(args.models, args.runs)
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
                   compile=args.compile, cuda_graph=args.cuda_graph)

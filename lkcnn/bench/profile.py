@@ -34,3 +34,30 @@ def kernel_table(averages) -> list:
 def per_step(kernels, steps: int = 3) -> dict[str, list[float]]:
     """`kernel_table`'s rows as {name: [ms per step, launches per step]}, the --json format."""
     return {e.key: [e.self_device_time_total / 1e3 / steps, e.count / steps] for e in kernels}
+
+
+# Kernel names -> the step's cost categories of docs/performance.md, first match wins (lkcnn's kernels are in
+# namespace lkcnn: `dwconv_*` and the layout `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`).
+CATEGORIES = (
+    ("lkcnn large-kernel conv", ("dwconv_",)),
+    ("lkcnn layout copies", ("transpose_kernel",)),
+    ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("GEMM (1x1 convs, head)", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "sm90_", "sm80_")),
+    ("inductor fused (norms, activations, adds)", ("triton_",)),
+)
+OTHER = "other (PyTorch elementwise, reductions, copies)"
+
+
+def category(kernel: str) -> str:
+    """The cost category of a GPU kernel, by its name."""
+    name = kernel.lower()
+    return next((label for label, needles in CATEGORIES if any(n in name for n in needles)), OTHER)
+
+
+def by_category(kernels, steps: int) -> dict[str, float]:
+    """`kernel_table`'s rows summed per category, ms per step, in CATEGORIES' order (empty ones left out)."""
+    totals = dict.fromkeys([label for label, _ in CATEGORIES] + [OTHER], 0.0)
+    for e in kernels:
+        totals[category(e.key)] += e.self_device_time_total / 1e3 / steps
+    return {label: ms for label, ms in totals.items() if ms > 0}

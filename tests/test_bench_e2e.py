@@ -1,0 +1,56 @@
+"""lkcnn.bench.e2e's comparison on the CPU: kernel names land in the right cost category, and the comparison's
+ratios and table come from the variants' reports (the GPU timings themselves are faked here)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lkcnn.bench import e2e
+from lkcnn.bench.profile import OTHER, category
+
+# kernel names as torch.profiler reports them in a compiled RepLKNet-31B step on an H100
+NAMES = {
+    "void lkcnn::(anonymous namespace)::dwconv_fwd_tc_kernel<__nv_bfloat16, 31, 4>(Params)": "lkcnn large-kernel conv",
+    "void lkcnn::(anonymous namespace)::transpose_kernel<__nv_bfloat16, 8>(...)": "lkcnn layout copies",
+    "void conv2d_c1_k1_nhwc_kernel<__nv_bfloat16, 5, 5>(...)": "cuDNN depthwise conv",
+    "void wgrad2d_c1_k1_nhwc_kernel<float, 5>(...)": "cuDNN depthwise conv",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>(...)": "optimizer",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "GEMM (1x1 convs, head)",
+    "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT": "GEMM (1x1 convs, head)",
+    "triton_per_fused__native_batch_norm_legit_functional_relu_3": "inductor fused (norms, activations, adds)",
+    "void at::native::elementwise_kernel<128, 2>(...)": OTHER,
+}
+
+
+@pytest.mark.parametrize("name,expected", NAMES.items())
+def test_kernel_names_fall_in_their_category(name, expected):
+    assert category(name) == expected
+
+
+def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch):
+    speeds = {("replknet31b", "auto"): 1200.0, ("replknet31b", "torch"): 1500.0, ("convnext_base", "torch"): 1600.0}
+    calls = []
+
+    def fake_report(name, impl, *, channels_last, **kwargs):
+        twin = kwargs.get("kernel_sizes") == 3
+        calls.append((name, impl, twin, channels_last, kwargs.get("compile")))
+        ips = speeds[(name, "torch" if twin else impl)]
+        return {"images_per_s": ips, "step_ms": 64e3 / ips, "gpu_busy_ms": 30.0,
+                "gpu_ms_by_category": {"GEMM (1x1 convs, head)": 10.0, **({} if twin else {"optimizer": 1.0})}}
+
+    monkeypatch.setattr(e2e, "step_report", fake_report)
+    rows = e2e.compare(["replknet31b"], "convnext_base", batch=64, steps=2, warmup=1, compile="reduce-overhead")
+    assert [r["network"] for r in rows] == ["replknet31b", "replknet31b 3x3", "convnext_base"]
+    assert calls == [("replknet31b", "auto", False, True, "reduce-overhead"),
+                     ("replknet31b", "torch", True, True, "reduce-overhead"),
+                     ("convnext_base", "torch", False, True, "reduce-overhead")]
+    assert rows[0]["ratio_to_convnext_base"] == pytest.approx(0.75) and rows[0]["ratio_to_3x3"] == pytest.approx(0.8)
+    assert "ratio_to_3x3" not in rows[1] and rows[2]["ratio_to_convnext_base"] == 1.0
+    args = argparse.Namespace(compare="convnext_base", batch=64, compile="reduce-overhead", channels_last=True,
+                              cuda_graph=False)
+    monkeypatch.setattr(e2e.torch.cuda, "get_device_name", lambda: "NVIDIA H100")
+    text = e2e.compare_table(rows, args)
+    assert "0.75x" in text and "0.80x" in text and "compiled (reduce-overhead), channels_last, NVIDIA H100" in text
+    optimizer = next(line for line in text.splitlines() if line.startswith("optimizer"))
+    assert optimizer.split()[1:] == ["1.00", "-", "1.00"]  # the 3x3 twin's report has no optimizer kernel
