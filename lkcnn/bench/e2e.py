@@ -177,8 +177,10 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
             _, impl, kwargs = VARIANTS[key]
             rows.append({"network": model if key == "auto" else f"{model} 3x3", "model": model, "variant": key,
                          **step_report(model, impl, channels_last=True, **common, **kwargs)})
+            _progress(rows[-1])
     rows.append({"network": peer, "model": peer, "variant": "timm",
                  **step_report(peer, "torch", channels_last=True, **common)})
+    _progress(rows[-1])
     peer_ips = rows[-1]["images_per_s"]
     twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "torch3"}
     for row in rows:
@@ -186,6 +188,10 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
         if row["variant"] == "auto" and row["model"] in twins:
             row["ratio_to_3x3"] = row["images_per_s"] / twins[row["model"]]
     return rows
+
+
+def _progress(row: dict[str, Any]) -> None:
+    print(f"lkcnn-bench e2e: {row['network']}: {row['images_per_s']:.1f} images/s", file=sys.stderr, flush=True)
 
 
 def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
