@@ -69,7 +69,7 @@ def _per_image(p: torch.Tensor) -> torch.Tensor:
 def _blend(degenerate: torch.Tensor, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`Image.blend(degenerate, image, factor)`, all of ImageEnhance's work: float32, clipped, truncated."""
     d = degenerate.float()
-    return (d + _per_image(p[:, 0].float()) * (x.float() - d)).clamp_(0, 255).to(torch.uint8)
+    return (d + _per_image(p[:, 0]) * (x.float() - d)).clamp_(0, 255).to(torch.uint8)
 
 
 def _luma(x: torch.Tensor) -> torch.Tensor:
@@ -94,13 +94,12 @@ def _brightness(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _sharpness(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    # PIL's SMOOTH filter: kernel 1 1 1 / 1 5 1 / 1 1 1 over 13, rounded (sums of integers over 13 are never
-    # within float error of .5), the outermost rows and columns kept
-    kernel = torch.ones(3, 1, 3, 3, device=x.device)
-    kernel[:, :, 1, 1] = 5
+    # PIL's SMOOTH filter: kernel 1 1 1 / 1 5 1 / 1 1 1 over 13 (the 3x3 sum plus 4 centres), rounded (sums of
+    # integers over 13 are never within float error of .5), the outermost rows and columns kept
+    f = x.float()
+    smooth = nnf.avg_pool2d(f, 3, stride=1, divisor_override=1).add_(f[..., 1:-1, 1:-1], alpha=4)
     degenerate = x.clone()
-    smooth = nnf.conv2d(x.float(), kernel, groups=3).div_(13).add_(0.5).floor_()
-    degenerate[..., 1:-1, 1:-1] = smooth.to(torch.uint8)
+    degenerate[..., 1:-1, 1:-1] = smooth.div_(13).add_(0.5).floor_().to(torch.uint8)
     return _blend(degenerate, x, p)
 
 
@@ -166,7 +165,7 @@ AFFINE_OPS: dict[Callable, Callable[..., tuple[float, ...]]] = {
 def affine(x: torch.Tensor, matrices: torch.Tensor, mode: str, fill: torch.Tensor) -> torch.Tensor:
     """PIL's `Image.transform(size, AFFINE, matrix, resample, fillcolor=fill)` for a batch, one matrix (N, 6) each."""
     n, _, h, w = x.shape
-    m = matrices.float().view(n, 6, 1, 1)
+    m = matrices.view(n, 6, 1, 1)
     ys = torch.arange(h, device=x.device, dtype=torch.float32).view(h, 1) + 0.5  # PIL maps pixel centres
     xs = torch.arange(w, device=x.device, dtype=torch.float32).view(1, w) + 0.5
     sx = m[:, 0] * xs + m[:, 1] * ys + m[:, 2]
@@ -236,7 +235,7 @@ class GpuRandAugment:
         if images.is_cuda:  # one asynchronous copy of every index and argument of the batch
             table = table.pin_memory()
         table = table.to(images.device, non_blocking=True)
-        index, params = table[:, 0].long(), table[:, 1:]
+        index, params = table[:, 0].long(), table[:, 1:].float()  # float32 holds every argument closely enough
         x = images.clone() if images.dtype == torch.uint8 else images.mul(255).round_().clamp_(0, 255).byte()
         start = 0
         for key in order:
