@@ -3,7 +3,7 @@ validation set of one of train.py's data configs (conf/data/*.yaml).
 
 SOURCE is an export folder (float or 8-bit: `lkcnn.load_deployed`) or a checkpoint (re-parameterized and verified
 the way the exporter does it). Prints `top1=... top5=... images/s=...`; images/s counts the model's time only
-(synchronized on a GPU, the first batch left out as warm-up), not the loading of the images.
+(CUDA events around each call on a GPU, the first batch left out as warm-up), not the loading of the images.
 
 This module also turns a data config into calibration batches for the 8-bit exporter: data configs are the training
 app's (Hydra, lkcnn.training), a layer above lkcnn.deploy.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from lkcnn.bench import timing
 
 
 class DataError(ValueError):
@@ -34,9 +33,10 @@ def _one_line(message: str) -> str:
 def compose_data(overrides: Sequence[str]) -> Any:
     """train.py's config composed with `overrides` (Hydra, as `python -m lkcnn.bench loader` does); only data keys may
     change, since nothing else of the config is used."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
+
+    from lkcnn.training.configs import CONF_DIR, compose_train
 
     if not (CONF_DIR / "train.yaml").is_file():
         raise DataError(f"the data configs are not at {CONF_DIR}: they ship with lkcnn's source tree, so run this "
@@ -46,13 +46,14 @@ def compose_data(overrides: Sequence[str]) -> Any:
         raise DataError(f"{other[0]!r} is not a data override: pass data=<config> (one of "
                         f"{', '.join(data_configs())}) and data.<key>=<value> settings only.")
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("train", overrides=list(overrides))
+        return compose_train(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise DataError(f"{_one_line(e)} (data configs: {', '.join(data_configs())})") from None
 
 
 def data_configs() -> list[str]:
+    from lkcnn.training.configs import CONF_DIR
+
     return sorted(p.stem for p in (CONF_DIR / "data").glob("*.yaml"))
 
 
@@ -117,19 +118,15 @@ def evaluate(model: nn.Module, datamodule: Any, device: torch.device, limit_batc
     """top1, top5 (shares), images/s (model time only) and the image count on the validation set."""
     model.eval().to(device)
     correct1 = correct5 = images = timed_images = 0
-    seconds = 0.0
+    spans = []  # (start, end) marks of the model's calls, read once at the end
     for i, (x, targets) in enumerate(_batches(datamodule, datamodule.val_dataloader())):
         if limit_batches is not None and i == limit_batches:
             break
         x, targets = x.to(device), targets.to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = timing.mark(device)
         logits = model(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         if i > 0:  # the first batch warms up (allocations, the CUDA extension's first call)
-            seconds += time.perf_counter() - start
+            spans.append((start, timing.mark(device)))
             timed_images += len(x)
         if i == 0 and logits.shape[-1] != datamodule.num_classes:
             raise DataError(f"the model predicts {logits.shape[-1]} classes but the data has "
@@ -140,6 +137,8 @@ def evaluate(model: nn.Module, datamodule: Any, device: torch.device, limit_batc
         images += len(x)
     if images == 0:
         raise DataError("the validation set has no images: check the data config.")
+    timing.synchronize(device)
+    seconds = sum(timing.elapsed_ms(start, end) for start, end in spans) / 1e3
     return {"top1": correct1 / images, "top5": correct5 / images, "images": images,
             "images_per_s": timed_images / seconds if seconds > 0 else float("nan")}
 

@@ -31,8 +31,9 @@ import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lkcnn.bench import ROOT, compose_train, timing
+from lkcnn.bench import ROOT, timing
 from lkcnn.bench.profile import gpu_timeline, kernel_table, per_step
+from lkcnn.training.configs import compose_train
 
 # What the StepProfile that Hydra instantiates measured: the callback is built inside train.py's train(), which
 # hands back only metrics, so it leaves its profiler and step time here.

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from lkcnn.bench import compose_train, timing
+from lkcnn.bench import timing
 from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.training.configs import compose_train
 from lkcnn.training.errors import exit_on_user_error
 
 # RepLKNet-31B (224 px, bf16, channels_last, CUDA graphs) trains at about 1100-1300 images/s on one H100
@@ -151,16 +152,15 @@ def compare_decode(args: argparse.Namespace, argv: Sequence[str]) -> None:
     for row in rows:
         print(f"{row['what']:12} {row['workers']:>7} {row['images_per_s']:>9.1f} "
               f"{row['images_per_s_per_worker']:>10.1f} {row['workers_needed']:>18.2f}")
-    print("decode=gpu skips RandAugment (timm runs it on PIL images); its rate includes decoding, augmentation "
-          "and mixup on the GPU")
+    print("decode=gpu: its rate includes decoding, RandAugment, erasing and mixup on the GPU")
     if args.json:
         method = {"timer": "time.perf_counter over --batches after --warmup, CUDA synchronized for decode=gpu",
                   "units": "images/s of the data=imagenet training loader",
                   "jpegs": args.jpegs, "train_rate": args.train_rate, "batches": args.batches,
                   "warmup": args.warmup, "overrides": args.overrides,
                   "note": "decode=cpu: the full recipe in the workers, batches not moved; decode=gpu: workers "
-                          "read bytes, the GPU decodes (nvJPEG), crops, flips, normalizes, erases and mixes; "
-                          "RandAugment skipped"}
+                          "read bytes and draw the crop, flips and RandAugment plan; the GPU decodes (nvJPEG), "
+                          "crops, flips, augments, normalizes, erases and mixes"}
         write_record(args.json, make_record("loader", device, command_line(["loader", *argv]), method, rows))
         print(f"wrote {args.json}")
 
