@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lkcnn.bench import timing
+from lkcnn import timing
 
 
 class DataError(ValueError):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from lkcnn.bench import timing
+from lkcnn import timing
 from lkcnn.ops.sync_batchnorm import all_reduce_sum, enable_nvlink_exchange
 
 

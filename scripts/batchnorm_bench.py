@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lkcnn.bench import timing
+from lkcnn import timing
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 
 SHAPES = [(64, 128, 56, 56), (64, 256, 28, 28), (64, 512, 14, 14), (64, 1024, 7, 7)]

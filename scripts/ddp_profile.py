@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 import lkcnn  # noqa: F401  registers the models
-from lkcnn.bench import timing
+from lkcnn import timing
 from lkcnn.bench.profile import gpu_timeline, kernel_table, per_step
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 from lkcnn.ops.sync_batchnorm import enable_nvlink_exchange, sync_batch_norm

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from lkcnn.bench import timing
+from lkcnn import timing
 
 SOURCE = r"""
 #include <torch/extension.h>

@@ -31,7 +31,8 @@ import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lkcnn.bench import ROOT, timing
+from lkcnn import timing
+from lkcnn.bench import ROOT
 from lkcnn.bench.profile import gpu_timeline, kernel_table, per_step
 from lkcnn.training.configs import compose_train
 

@@ -20,7 +20,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from lkcnn.bench import timing
+from lkcnn import timing
 from lkcnn.bench.profile import by_category, kernel_table
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lkcnn.bench import ROOT, timing
+from lkcnn import timing
+from lkcnn.bench import ROOT
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.ops import build, reference, set_conv_impl  # importing lkcnn.ops registers torch.ops.lkcnn.*
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from lkcnn.bench import timing
+from lkcnn import timing
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.training.configs import compose_train
 from lkcnn.training.errors import exit_on_user_error

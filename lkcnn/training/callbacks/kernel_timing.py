@@ -27,7 +27,7 @@ import torch.nn as nn
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from torch.utils.hooks import RemovableHandle
 
-from lkcnn.bench.timing import Mark, elapsed_ms, mark
+from lkcnn.timing import Mark, elapsed_ms, mark
 from lkcnn.layers import LargeKernelConv
 from lkcnn.ops import implementation as op_implementation  # the op's own dispatch: the table matches what ran
 

@@ -1,4 +1,4 @@
-"""lkcnn.bench.timing on the CPU, against a fake host clock: the warm-up calls run first and are not timed, the
+"""lkcnn.timing on the CPU, against a fake host clock: the warm-up calls run first and are not timed, the
 median is over single calls, the mean over back-to-back calls, and the estimate and the budget follow from them."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from lkcnn.bench import timing
+from lkcnn import timing
 
 WARMUP_S = 100.0  # a warm-up call's length on the fake clock, far beyond any timed call's: timed, it would show
 

@@ -6,6 +6,9 @@ Events, because a launch returns before its kernels run: the host clock would ti
 synchronized around every call, which adds that latency to each. Events sit in the stream between the calls and are
 read once at the end. `mean_ms(wall=True)` is the exception the callers ask for: the time the host waits from a
 synchronized start to a synchronized end (host time when the host limits, GPU time when the GPU does).
+
+A leaf module (torch alone), like lkcnn.errors, so that every layer may time with it: the training callbacks as well
+as the benchmarks and the evaluator above them.
 """
 from __future__ import annotations
 
