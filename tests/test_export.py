@@ -90,6 +90,18 @@ def test_convnext_lk_round_trip(tmp_path, small_kernel):
     assert rel_err(outputs(load_deployed(tmp_path / "out"), x), outputs(model, x)) < 1e-4
 
 
+def test_slak_round_trip(tmp_path):
+    model = trained_like("slak_tiny", depths=[1, 1, 1, 1], dims=[16, 32, 64, 128], ls_init_value=1.0)
+    config = export_checkpoint(save_lightning(tmp_path / "last.ckpt", model), tmp_path / "out", input_size=SIZE)
+    assert config["model"] == {"name": "slak_tiny", "kwargs": {"depths": [1, 1, 1, 1], "dims": [16, 32, 64, 128],
+                                                                "ls_init_value": 1.0, **KWARGS, "deploy": True}}
+    deployed = load_deployed(tmp_path / "out")
+    assert {"stages.0.blocks.0.conv_dw.LoRA1_reparam.bias", "stages.0.blocks.0.conv_dw.LoRA2_reparam.weight"} <= set(
+        deployed.state_dict())
+    x = torch.randn(2, 3, *SIZE)
+    assert rel_err(outputs(deployed, x), outputs(model, x)) < 1e-4
+
+
 def test_data_config_comes_from_the_training_run(tmp_path):
     model = trained_like()
     data = {"img_size": 24, "batch_size": 64, "transform": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_pct": 1.0,

@@ -1,4 +1,5 @@
-"""lkcnn.layers: LargeKernelConv, BN folding helpers, ReparamLargeKernelConv structure and errors, RepLKNet blocks."""
+"""lkcnn.layers: LargeKernelConv, BN folding helpers, ReparamLargeKernelConv and DecomposedLargeKernelConv structure
+and errors, RepLKNet blocks."""
 import pytest
 import torch
 import torch.nn as nn
@@ -6,8 +7,8 @@ import torch.nn.functional as F
 from conftest import randomize_bn, rel_err
 
 from lkcnn.layers import (
-    ConvFFN, LargeKernelConv, RepLKBlock, ReparamLargeKernelConv, UNIREPLKNET_DILATED_BRANCHES, conv_bn,
-    dilate_kernel, fuse_bn, pad_to,
+    ConvFFN, DecomposedLargeKernelConv, LargeKernelConv, RepLKBlock, ReparamLargeKernelConv,
+    UNIREPLKNET_DILATED_BRANCHES, conv_bn, dilate_kernel, fuse_bn, pad_to,
 )
 
 
@@ -109,3 +110,41 @@ def test_blocks_keep_shape_and_official_keys():
             "large_kernel.small_conv.conv.weight", "pw2.conv.weight"} <= keys
     assert block.large_kernel.lkb_origin.conv.weight.shape == (12, 1, 7, 7)
     assert {"preffn_bn.weight", "pw1.conv.weight", "pw2.bn.running_var"} <= set(ffn.state_dict())
+
+
+def test_decomposed_keys_are_slaks():
+    module = DecomposedLargeKernelConv(8, 51, 5, small_kernel=5)
+    bn = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"}
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    assert set(shapes) == {f"{b}.conv.weight" for b in ("LoRA1", "LoRA2", "small_conv")} | {
+        f"{b}.bn.{k}" for b in ("LoRA1", "LoRA2", "small_conv") for k in bn}
+    assert shapes["LoRA1.conv.weight"] == (8, 1, 51, 5) and shapes["LoRA2.conv.weight"] == (8, 1, 5, 51)
+    assert shapes["small_conv.conv.weight"] == (8, 1, 5, 5)
+    assert all(isinstance(b.conv, LargeKernelConv) for b in (module.LoRA1, module.LoRA2, module.small_conv))
+    deployed = DecomposedLargeKernelConv(8, 51, 5, small_kernel=5, deploy=True)
+    assert {k: tuple(v.shape) for k, v in deployed.state_dict().items()} == {
+        "LoRA1_reparam.weight": (8, 1, 51, 5), "LoRA1_reparam.bias": (8,), "LoRA2_reparam.weight": (8, 1, 5, 51)}
+    assert set(DecomposedLargeKernelConv(8, 13, 3, small_kernel=0).state_dict()) == {
+        f"{b}.{k}" for b in ("LoRA1.bn", "LoRA2.bn") for k in bn} | {"LoRA1.conv.weight", "LoRA2.conv.weight"}
+
+
+def test_decomposed_is_the_sum_of_its_branches():
+    module = randomize_bn(DecomposedLargeKernelConv(4, 9, 3, small_kernel=3)).eval()
+    x = torch.randn(2, 4, 11, 13)
+    expected = sum(F.batch_norm(F.conv2d(x, b.conv.weight, padding=b.conv.padding, groups=4), b.bn.running_mean,
+                                b.bn.running_var, b.bn.weight, b.bn.bias, eps=b.bn.eps)
+                   for b in (module.LoRA1, module.LoRA2, module.small_conv))
+    assert module(x).shape == x.shape
+    assert rel_err(module(x), expected) < 1e-5
+
+
+@pytest.mark.parametrize("args,match", [
+    ((51, 3, 5), r"small_kernel \(5, 5\) must fit inside the 51x3 kernel"),  # the 5x5 cannot merge into 51x3
+    ((3, 5, 5), "must fit inside the 3x5 kernel"),
+    ((51, 4, 3), "odd"),
+    ((51, 5, 4), "odd"),
+    (((51, 5), 5, 5), "one int K"),
+])
+def test_decomposed_rejects_bad_configs(args, match):
+    with pytest.raises(ValueError, match=match):
+        DecomposedLargeKernelConv(4, *args)

@@ -1,5 +1,5 @@
-"""lkcnn model zoo: official RepLKNet architecture/keys/counts, timm model API, ablation kwargs, lkcnn_spec,
-checkpoint loading through timm's pretrained-file mechanism, and the `info` command."""
+"""lkcnn model zoo: official RepLKNet architecture/keys/counts, SLaK's decomposed ConvNeXt-LK, timm model API,
+ablation kwargs, lkcnn_spec, checkpoint loading through timm's pretrained-file mechanism, and the `info` command."""
 import json
 
 import pytest
@@ -11,7 +11,7 @@ from timm.optim import param_groups_layer_decay
 
 import lkcnn
 from lkcnn.info import info, main
-from lkcnn.layers import LargeKernelConv, ReparamLargeKernelConv
+from lkcnn.layers import DecomposedLargeKernelConv, LargeKernelConv, ReparamLargeKernelConv
 from lkcnn.models import checkpoint_filter_fn
 from lkcnn.deploy.reparam import reparameterize_model
 
@@ -160,6 +160,8 @@ def test_small_kernel_none_survives_timm_create_model():
     ("replknet_tiny", dict(kernel_sizes=(13, 11, 9, 7), small_kernel=None, dilated_branches=True, num_classes=10)),
     ("replknet31b", dict(kernel_sizes=13, drop_path_rate=0.3, dw_ratio=1.5)),
     ("convnext_lk_tiny", dict(kernel_sizes=(7, 7, 31, 13), small_kernel=5, in_chans=1)),
+    ("convnext_lk_tiny", dict(kernel_sizes=(51, 49, 47, 13), decomposed=5, small_kernel=5)),
+    ("slak_tiny", dict(decomposed=7, small_kernel=0, dims=(64, 128, 256, 512))),
 ])
 def test_spec_rebuilds_the_architecture(name, kwargs):
     model = _meta(name, **kwargs)
@@ -197,6 +199,48 @@ def test_convnext_lk_rejects_even_kernels():
         _meta("convnext_lk_tiny", kernel_sizes=(31, 28, 27, 13))
     with pytest.raises(ValueError, match="odd"):
         _meta("replknet_tiny", kernel_sizes=8)
+
+
+@pytest.mark.parametrize("name,train,deploy", [
+    ("slak_tiny", 30.82, 30.62), ("slak_small", 55.57, 55.16), ("slak_base", 95.72, 95.18)])
+def test_slak_counts(name, train, deploy):
+    model = _meta(name)
+    assert _mparams(model) == train and _mparams(_meta(name, deploy=True)) == deploy
+    reparameterize_model(model)
+    assert _mparams(model) == deploy
+
+
+def test_slak_tiny_is_convnext_lk_decomposed_with_slaks_keys():
+    state = _meta("slak_tiny").state_dict()
+    same = _meta("convnext_lk_tiny", kernel_sizes=(51, 49, 47, 13), decomposed=5, small_kernel=5).state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in same.items()}
+    assert state["stages.0.blocks.0.conv_dw.LoRA1.conv.weight"].shape == (96, 1, 51, 5)
+    assert state["stages.2.blocks.8.conv_dw.LoRA2.conv.weight"].shape == (384, 1, 5, 47)
+    assert state["stages.3.blocks.2.conv_dw.small_conv.conv.weight"].shape == (768, 1, 5, 5)
+    assert state["stages.3.blocks.2.conv_dw.LoRA1.bn.running_var"].shape == (768,)
+    assert not any(k.endswith(("conv_dw.weight", "conv_dw.bias")) for k in state)
+    deployed = _meta("slak_tiny", deploy=True)
+    assert deployed.lkcnn_spec == {"name": "slak_tiny", "kwargs": {"deploy": True}}
+    conv = deployed.stages[1].blocks[0].conv_dw
+    assert isinstance(conv, DecomposedLargeKernelConv) and conv.LoRA1_reparam.weight.shape == (192, 1, 49, 5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(kernel_sizes=[(51, 5), 49, 47, 13], decomposed=5), "square kernel_sizes"),
+    (dict(kernel_sizes=13, decomposed=5, dilated_branches=True), "no dilated_branches"),
+    (dict(kernel_sizes=13, decomposed=3, small_kernel=5), r"must fit inside the 13x3 kernel"),
+])
+def test_decomposed_rejects_what_it_cannot_build(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _meta("convnext_lk_tiny", **kwargs)
+
+
+def test_slak_features_and_head():
+    model = timm.create_model("slak_tiny", dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_classes=3).eval()
+    x = torch.randn(1, 3, 64, 64)
+    assert model(x).shape == (1, 3)
+    feats = timm.create_model("slak_tiny", dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), features_only=True)(x)
+    assert [tuple(f.shape[1:]) for f in feats] == [(8, 16, 16), (16, 8, 8), (24, 4, 4), (32, 2, 2)]
 
 
 def test_unknown_model_is_a_clear_error():
@@ -266,6 +310,30 @@ def test_filter_maps_facebook_convnext_keys():
     fb = {_fb_stage_key(k): v for k, v in fb.items()}
     mapped = checkpoint_filter_fn({"model": fb}, model)
     model.load_state_dict(mapped, strict=True)
+
+
+@pytest.mark.parametrize("deploy", [False, True])
+def test_slak_checkpoint_layout_loads(tmp_path, deploy):
+    """SLaK's own keys (Facebook ConvNeXt's, with `large_kernel.LoRA1/LoRA2/small_conv` for the depthwise conv) load
+    into slak_*, merged on the fly into a deploy=True model."""
+    kwargs = dict(dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), ls_init_value=1.0)
+    source = randomize_bn(timm.create_model("slak_tiny", **kwargs)).eval()
+    slak = {_fb_stage_key(k.replace("stem.", "downsample_layers.0.").replace("conv_dw", "large_kernel")
+                          .replace("mlp.fc", "pwconv").replace("head.fc.", "head.").replace("head.norm", "norm")): v
+            for k, v in source.state_dict().items()}
+    assert "stages.1.0.large_kernel.LoRA2.conv.weight" in slak and "downsample_layers.1.1.weight" in slak
+    torch.save({"model": slak}, tmp_path / "slak.pth")
+    loaded = _load("slak_tiny", tmp_path / "slak.pth", deploy=deploy, **kwargs).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_err(loaded(x), source(x)) <= 1e-5
+
+
+def test_deployed_slak_checkpoint_into_training_model_says_what_to_do(tmp_path):
+    kwargs = dict(dims=(8, 16, 24, 32), depths=(1, 1, 1, 1))
+    torch.save(timm.create_model("slak_tiny", deploy=True, **kwargs).state_dict(), tmp_path / "deploy.pth")
+    with pytest.raises(ValueError, match="deploy=True"):
+        _load("slak_tiny", tmp_path / "deploy.pth", **kwargs)
 
 
 def _fb_stage_key(key: str) -> str:

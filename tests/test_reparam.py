@@ -6,7 +6,7 @@ from conftest import randomize_bn, rel_err
 from timm.utils import reparameterize_model as timm_reparameterize_model
 
 import lkcnn
-from lkcnn.layers import ReparamLargeKernelConv
+from lkcnn.layers import REPARAM_LAYERS, DecomposedLargeKernelConv, ReparamLargeKernelConv, fuse_bn
 from lkcnn.deploy.reparam import reparameterize_model
 
 
@@ -35,6 +35,30 @@ def test_branch_merge_is_exact(kernel_size, small_kernel, dilated):
     assert torch.equal(module(x), deployed)
 
 
+@pytest.mark.parametrize("kernel_size,width,small_kernel", [
+    (51, 5, 5),     # SLaK's first stage
+    (13, 5, 3),     # a small kernel narrower than the width: centred in the 13x5 kernel
+    (9, 3, None),   # the pair alone (BN folding only)
+    (7, 7, 5),      # width = kernel: both branches square
+])
+def test_decomposed_merge_is_exact_and_keeps_the_pair(kernel_size, width, small_kernel):
+    module = randomize_bn(DecomposedLargeKernelConv(6, kernel_size, width, small_kernel)).eval()
+    x = torch.randn(2, 6, 19, 23)
+    with torch.no_grad():
+        expected = module(x)
+        wide = fuse_bn(module.LoRA2.conv.weight, module.LoRA2.bn)[0]
+        module.reparameterize()
+        deployed = module(x)
+    assert module.deploy and not any(hasattr(module, n) for n in ("LoRA1", "LoRA2", "small_conv"))
+    assert rel_err(deployed, expected) <= 1e-5
+    assert torch.equal(module.LoRA2_reparam.weight, wide)  # the small kernel went into LoRA1 only
+    twin = DecomposedLargeKernelConv(6, kernel_size, width, small_kernel, deploy=True)
+    twin.load_state_dict(module.state_dict())  # strict: identical to a module built with deploy=True
+    assert repr(twin) == repr(module)
+    module.reparameterize()  # idempotent
+    assert torch.equal(module(x), deployed)
+
+
 def _eval_with_random_bn(name: str, **kwargs) -> torch.nn.Module:
     return randomize_bn(timm.create_model(name, **kwargs)).eval()
 
@@ -48,6 +72,10 @@ def _eval_with_random_bn(name: str, **kwargs) -> torch.nn.Module:
     ("replknet_xl", {}, 16),
     ("convnext_lk_tiny", dict(small_kernel=5), 32),
     ("convnext_lk_tiny", dict(kernel_sizes=13, dilated_branches=True), 32),
+    ("convnext_lk_tiny", dict(kernel_sizes=(15, 13, 11, 9), decomposed=3, small_kernel=3, ls_init_value=1.0), 32),
+    ("slak_tiny", dict(ls_init_value=1.0), 32),  # layer scale 1 so that the large kernels matter to the output
+    ("slak_small", {}, 32),
+    ("slak_base", {}, 32),  # ConvNeXt needs 32 px: its stem and downsamplings divide by 32
 ])
 def test_every_model_deploys_to_the_same_function(name, kwargs, size):
     model = _eval_with_random_bn(name, **kwargs)
@@ -57,7 +85,7 @@ def test_every_model_deploys_to_the_same_function(name, kwargs, size):
         assert reparameterize_model(model) is model
         deployed = model(x)
     assert rel_err(deployed, expected) <= 1e-5
-    assert not any(isinstance(m, ReparamLargeKernelConv) and not m.deploy for m in model.modules())
+    assert not any(isinstance(m, REPARAM_LAYERS) and not m.deploy for m in model.modules())
     spec = model.lkcnn_spec
     assert spec["kwargs"]["deploy"] is True
     with torch.device("meta"):  # the spec rebuilds the deploy architecture: same keys, same shapes
@@ -79,13 +107,18 @@ def test_model_without_branches_is_marked_deployed():
 
 
 def test_every_registered_model_is_covered():
-    covered = {"replknet_tiny", "replknet31b", "replknet31l", "replknet_xl", "convnext_lk_tiny"}
+    covered = {"replknet_tiny", "replknet31b", "replknet31l", "replknet_xl", "convnext_lk_tiny", "slak_tiny",
+               "slak_small", "slak_base"}
     covered |= {f"unireplknet_{v}" for v in ("a", "f", "p", "n", "t", "s", "b", "l", "xl")}  # test_unireplknet.py
     assert set(lkcnn.models.list_models()) == covered
 
 
-def test_timm_reparameterize_model_works_and_copies():
-    model = _eval_with_random_bn("replknet_tiny", kernel_sizes=9, small_kernel=3)
+@pytest.mark.parametrize("name,kwargs", [
+    ("replknet_tiny", dict(kernel_sizes=9, small_kernel=3)),
+    ("slak_tiny", dict(dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), kernel_sizes=(15, 13, 11, 9), ls_init_value=1.0)),
+])
+def test_timm_reparameterize_model_works_and_copies(name, kwargs):
+    model = _eval_with_random_bn(name, **kwargs)
     x = torch.randn(1, 3, 32, 32)
     deployed = timm_reparameterize_model(model)  # not in place: returns a merged deep copy
     assert deployed is not model and model.lkcnn_spec["kwargs"].get("deploy") is None

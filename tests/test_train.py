@@ -32,6 +32,7 @@ TINY_DATA = ["data=synthetic", "data.num_classes=10", "data.img_size=32", "data.
              "data.batch_size=4", "data.num_workers=0"]
 TINY_WIDTH = {"replknet": ["+model.channels=[8,8,16,16]", "+model.depths=[1,1,1,1]"],
               "convnext": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]"],
+              "slak": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]"],
               "unireplknet": ["+model.dims=[8,8,16,16]", "+model.depths=[1,1,1,1]", "+model.kernel_sizes=[3,13,13,13]"]}
 MODEL_CONFIGS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .large_kernel_conv import LargeKernelConv
+
 
 def conv_bn(in_chs: int, out_chs: int, kernel_size: int, stride: int = 1, groups: int = 1, dilation: int = 1,
             act: bool = False) -> nn.Sequential:
@@ -13,4 +15,12 @@ def conv_bn(in_chs: int, out_chs: int, kernel_size: int, stride: int = 1, groups
     seq.add_module("bn", nn.BatchNorm2d(out_chs))
     if act:
         seq.add_module("nonlinear", nn.ReLU())
+    return seq
+
+
+def lk_conv_bn(channels: int, kernel_size: int | tuple[int, int]) -> nn.Sequential:
+    """Depthwise LargeKernelConv (no bias, 'same' padding) -> BatchNorm2d: a branch of the re-parameterizable layers."""
+    seq = nn.Sequential()
+    seq.add_module("conv", LargeKernelConv(channels, kernel_size))
+    seq.add_module("bn", nn.BatchNorm2d(channels))
     return seq

@@ -32,11 +32,13 @@ class LargeKernelConv(nn.Conv2d):
                          device=device, dtype=dtype)
 
     @classmethod
-    def from_kernel(cls, kernel: torch.Tensor, bias: torch.Tensor) -> LargeKernelConv:
-        """The deploy-form conv holding a merged (C,1,kh,kw) kernel and its (C,) bias."""
-        conv = cls(kernel.shape[0], tuple(kernel.shape[-2:]), bias=True, device=kernel.device, dtype=kernel.dtype)
+    def from_kernel(cls, kernel: torch.Tensor, bias: torch.Tensor | None) -> LargeKernelConv:
+        """The deploy-form conv holding a merged (C,1,kh,kw) kernel and its (C,) bias (None: none)."""
+        conv = cls(kernel.shape[0], tuple(kernel.shape[-2:]), bias=bias is not None, device=kernel.device,
+                   dtype=kernel.dtype)
         conv.weight.data.copy_(kernel)
-        conv.bias.data.copy_(bias)
+        if bias is not None:
+            conv.bias.data.copy_(bias)
         return conv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from .conv_bn import conv_bn
+from .conv_bn import conv_bn, lk_conv_bn
 from .fuse import merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
 
@@ -61,9 +61,7 @@ class ReparamLargeKernelConv(nn.Module):
         if deploy:
             self.lkb_reparam = LargeKernelConv(channels, self.kernel_size, bias=True)
             return
-        self.lkb_origin = nn.Sequential()
-        self.lkb_origin.add_module("conv", LargeKernelConv(channels, self.kernel_size))
-        self.lkb_origin.add_module("bn", nn.BatchNorm2d(channels))
+        self.lkb_origin = lk_conv_bn(channels, self.kernel_size)
         self.small_conv = None
         if self.small_kernel:
             self.small_conv = nn.Sequential()
@@ -101,6 +99,10 @@ class ReparamLargeKernelConv(nn.Module):
         self.lkb_reparam = LargeKernelConv.from_kernel(*self.get_equivalent_kernel_bias())
         del self.lkb_origin, self.small_conv, self.dilated
         self.deploy = True
+
+    def training_form(self) -> ReparamLargeKernelConv:
+        """A fresh training-form module of this configuration (to read a training checkpoint into a deployed one)."""
+        return ReparamLargeKernelConv(self.channels, self.kernel_size, self.small_kernel, self.dilated_branches)
 
     def extra_repr(self) -> str:
         return (f"channels={self.channels}, kernel_size={self.kernel_size}, small_kernel={self.small_kernel}, "

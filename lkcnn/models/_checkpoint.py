@@ -8,7 +8,7 @@ import torch.nn as nn
 from timm.models import clean_state_dict
 from timm.models.convnext import checkpoint_filter_fn as timm_convnext_filter
 
-from lkcnn.layers import ReparamLargeKernelConv
+from lkcnn.layers import REPARAM_LAYERS
 
 LIGHTNING_PREFIX = "model."  # a LightningModule holding the net at attribute `model`
 LIGHTNING_EMA_PREFIX = "model_ema.module."  # timm's ModelEmaV3 at attribute `model_ema`, the net at `.module`
@@ -61,22 +61,22 @@ def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, torch.Tenso
 
 
 def _deploy_from_training(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Merge training-form branches into `lkb_reparam` for each ReparamLargeKernelConv built with deploy=True."""
+    """Merge the training-form branches of each re-parameterizable layer built with deploy=True (lkcnn.layers'
+    REPARAM_LAYERS) through a training-form twin; layers whose keys are already in deploy form stay as they are."""
     out = dict(state_dict)
     for name, module in model.named_modules():
-        if not (isinstance(module, ReparamLargeKernelConv) and module.deploy):
+        if not (isinstance(module, REPARAM_LAYERS) and module.deploy):
             continue
         prefix = f"{name}."
-        if f"{prefix}lkb_origin.conv.weight" not in out:
+        keys = [k for k in out if k.startswith(prefix)]
+        if not keys or {k[len(prefix):] for k in keys} == set(module.state_dict()):
             continue
-        branch = {k[len(prefix):]: out.pop(k) for k in list(out) if k.startswith(prefix)}
-        twin = ReparamLargeKernelConv(module.channels, module.kernel_size, module.small_kernel,
-                                      module.dilated_branches)
+        branch = {k[len(prefix):]: out.pop(k) for k in keys}
+        twin = module.training_form()
         try:
             twin.load_state_dict(branch)
         except RuntimeError as err:
-            raise ValueError(f"checkpoint weights for {name} do not fit kernel_size={module.kernel_size}, "
-                             f"small_kernel={module.small_kernel}, dilated_branches={module.dilated_branches}: "
+            raise ValueError(f"checkpoint weights for {name} do not fit {type(twin).__name__}({twin.extra_repr()}): "
                              f"{str(err).splitlines()[-1].strip()}") from None
         twin.reparameterize()
         out.update({prefix + k: v for k, v in twin.state_dict().items()})
@@ -94,11 +94,12 @@ def check_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
     unexpected = sorted(k for k in set(state_dict) - set(expected) if not (classifier and k.startswith(classifier)))
     if missing or unexpected:
         hint = ""
-        if any(".lkb_reparam." in k for k in unexpected):
+        if any("_reparam." in k for k in unexpected):
             hint = " The checkpoint is re-parameterized (deploy form): create the model with deploy=True."
         raise ValueError(f"checkpoint does not match {type(model).__name__}: {len(missing)} missing keys "
                          f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}.{hint} Check the model "
-                         "name and its kernel_sizes / small_kernel / dw_ratio / dilated_branches arguments.")
+                         "name and its kernel_sizes / small_kernel / dw_ratio / dilated_branches / decomposed "
+                         "arguments.")
     for key, value in state_dict.items():
         if key in expected and value.shape != expected[key].shape and not key.startswith(adaptable):
             raise ValueError(f"checkpoint tensor {key} has shape {tuple(value.shape)}, the model expects "
@@ -108,14 +109,15 @@ def check_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
 def checkpoint_filter_fn(state_dict: Mapping[str, object], model: nn.Module) -> dict[str, torch.Tensor]:
     """timm pretrained filter for every lkcnn model.
 
-    Unwraps `state_dict` / `model` (select_weights' rule: the plain weights), maps Facebook ConvNeXt keys through
-    timm's own filter, and loads a training-form checkpoint into a deploy-form model by merging its branches. Official
-    RepLKNet keys are lkcnn's keys.
+    Unwraps `state_dict` / `model` (select_weights' rule: the plain weights), maps Facebook ConvNeXt and SLaK keys
+    through timm's own filter, and loads a training-form checkpoint into a deploy-form model by merging its branches.
+    Official RepLKNet keys are lkcnn's keys.
     """
     state_dict = unwrap_state_dict(state_dict)
     if any(k.startswith("downsample_layers.") for k in state_dict):  # facebookresearch/ConvNeXt layout
-        state_dict = timm_convnext_filter(state_dict, model)
-    if any(".lkb_origin." in k for k in state_dict):
-        state_dict = _deploy_from_training(state_dict, model)
+        # SLaK's blocks (Facebook's ConvNeXt otherwise) hold the decomposed kernel as `large_kernel`, not `dwconv`
+        state_dict = timm_convnext_filter({k.replace(".large_kernel.", ".dwconv."): v for k, v in state_dict.items()},
+                                          model)
+    state_dict = _deploy_from_training(state_dict, model)
     check_keys(state_dict, model)
     return state_dict

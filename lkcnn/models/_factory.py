@@ -15,7 +15,7 @@ import yaml
 from timm.models import build_model_with_cfg, model_entrypoint
 
 from lkcnn.errors import UserError
-from lkcnn.layers import ReparamLargeKernelConv
+from lkcnn.layers import REPARAM_LAYERS
 
 from ._checkpoint import checkpoint_filter_fn
 
@@ -131,7 +131,7 @@ class LkcnnModel:
     @property
     def lkcnn_spec(self) -> dict[str, Any]:
         kwargs = dict(self._lkcnn_kwargs)
-        deployed = [m.deploy for m in self.modules() if isinstance(m, ReparamLargeKernelConv)]
+        deployed = [m.deploy for m in self.modules() if isinstance(m, REPARAM_LAYERS)]
         if deployed:
             kwargs.pop("deploy", None)
             if all(deployed):

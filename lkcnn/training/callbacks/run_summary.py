@@ -23,14 +23,14 @@ def _count(n: float) -> str:
 
 def stage_kernels(model: torch.nn.Module) -> list[int]:
     """The large kernel of each stage of an lkcnn model (the larger side of a rectangular one); [] for others."""
-    from lkcnn.layers import ReparamLargeKernelConv
+    from lkcnn.layers import REPARAM_LAYERS, to_kernel_size
 
     sizes = []
     for stage in getattr(model, "stages", []):
-        conv = next((m for m in stage.modules() if isinstance(m, ReparamLargeKernelConv)), None)
+        conv = next((m for m in stage.modules() if isinstance(m, REPARAM_LAYERS)), None)
         if conv is None:
             return []
-        sizes.append(max(conv.kernel_size))
+        sizes.append(max(to_kernel_size(conv.kernel_size)))
     return sizes
 
 
