@@ -152,6 +152,16 @@ def test_benchmark_shapes(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_slak_stage_shapes(dtype, layout):
+    """SLaK-T's decomposed kernels at its stage shapes (batch 2): K x 5 with a bias (the deployed `LoRA1_reparam`) and
+    5 x K without (`LoRA2_reparam`), K = 51, 49, 47, 13 on 56, 28, 14 and 7 px maps."""
+    for (c, hw), k in zip([(96, 56), (192, 28), (384, 14), (768, 7)], [51, 49, 47, 13]):
+        check_case(2, c, hw, hw, k, 5, dtype, layout, bias=True)
+        check_case(2, c, hw, hw, 5, k, dtype, layout, bias=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_small_maps(dtype, layout):
     """Maps up to 16x16 (fp32: the whole-map FMA kernels, where the kernel mostly covers the map and the batch is 16
