@@ -1,7 +1,8 @@
 """The notebooks: committed without outputs, and each runs from the first cell to the last in fast mode.
 
-Fast mode (LKCNN_NB_FAST=1) is what CI runs: the notebooks shrink their work (a few training batches, a small ERF
-input, a 2-job sweep, the committed benchmark JSON). The same run by hand: LKCNN_NB_FAST=1 pytest --nbmake notebooks/
+Fast mode (LKCNN_NB_FAST=1) is what CI runs: the notebooks shrink their work (a few training batches, 2 calibration
+batches, a small ERF input, a 2-job sweep, the committed benchmark JSON). The same run by hand: LKCNN_NB_FAST=1
+pytest --nbmake notebooks/
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from nbclient import NotebookClient
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = {"01_kernel_speed", "02_reparameterize_and_export", "03_effective_receptive_field", "04_ablation"}
+EXPECTED = {"01_kernel_speed", "02_reparameterize_and_export", "03_effective_receptive_field", "04_ablation",
+            "05_quantization"}
 CELL_TIMEOUT_S = 600  # a guard against a hung cell; fast mode needs well under a minute per notebook
 
 

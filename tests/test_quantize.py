@@ -3,6 +3,7 @@ the agreement check, lkcnn.evaluate, and one-line errors for bad inputs."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import subprocess
 import sys
@@ -27,10 +28,14 @@ from lkcnn.deploy.quantize import (
     QuantConv2d,
     QuantizeError,
     QuantLinear,
+    default_float_layers,
+    layer_sensitivity,
+    layer_snr,
+    output_snr,
     quantize,
     weight_amax,
 )
-from lkcnn.deploy.quantized_export import deployed_from_checkpoint, export_quantized
+from lkcnn.deploy.quantized_export import deployed_from_checkpoint, export_quantized, median_image_error
 from lkcnn.deploy.reparam import reparameterize_model
 from lkcnn.evaluate import calibration_batches, evaluate, make_datamodule
 from lkcnn.evaluate import main as evaluate_main
@@ -120,7 +125,7 @@ def test_quantize_refuses_a_training_form_model_and_quantizes_a_deployed_one():
     reparameterize_model(model)
     with pytest.raises(QuantizeError, match="no calibration images"):
         quantize(model, [])
-    quantized = quantize(model, batches, "int8", "minmax")
+    quantized = quantize(model, batches, "int8", "minmax", keep_float=[])
     layers = dict(quantized.named_modules())
     assert isinstance(layers["stages.0.blocks.0.large_kernel.lkb_reparam"], QuantConv2d)
     assert layers["stages.0.blocks.0.large_kernel.lkb_reparam"].large_kernel
@@ -132,10 +137,55 @@ def test_quantize_refuses_a_training_form_model_and_quantizes_a_deployed_one():
         assert rel_err(quantized(x), model(x)) < 0.1
 
 
+def test_the_stem_and_classifier_stay_float_by_default_and_keep_float_picks_others():
+    model = reparameterize_model(randomize_bn(timm.create_model("replknet_tiny", num_classes=5,
+                                                                kernel_sizes=[7, 5, 3, 3], small_kernel=3)).eval())
+    batches = [torch.randn(4, 3, 32, 32)]
+    stem_and_head = [f"stem.{i}.conv" for i in range(4)] + ["head"]
+    assert default_float_layers(model) == stem_and_head
+    quantized = quantize(model, batches, "fp8", "minmax")
+    assert quantized.lkcnn_quantization["float_layers"] == stem_and_head
+    assert type(quantized.stem[0].conv) is torch.nn.Conv2d and type(quantized.head) is torch.nn.Linear
+    assert quantized.lkcnn_quantization["layers"][0] == "stages.0.blocks.0.pw1.conv"
+    some = quantize(model, batches, "int8", "minmax", keep_float=["stages.3", "head"]).lkcnn_quantization
+    assert some["float_layers"] == [n for n in some["float_layers"] if n.startswith("stages.3.")] + ["head"]
+    assert len(some["float_layers"]) == 6 and not any(n.startswith("stages.3") for n in some["layers"])
+    assert quantize(model, batches, "int8", "minmax", keep_float="head").lkcnn_quantization["float_layers"] == ["head"]
+    with pytest.raises(QuantizeError, match=r"^keep-float 'stem.9' names no Conv2d or Linear layer of the model; "
+                                            r"pass module names such as stem, stages, transitions, head\.$"):
+        quantize(model, batches, keep_float=["stem.9"])
+    with pytest.raises(QuantizeError, match="outside the float layers"):
+        quantize(model, batches, keep_float=["stem", "stages", "transitions", "head"])
+
+
+def test_per_tensor_weights_and_the_snr_measurements():
+    model = reparameterize_model(randomize_bn(timm.create_model("replknet_tiny", num_classes=5,
+                                                                kernel_sizes=[7, 5, 3, 3], small_kernel=3)).eval())
+    batches = [torch.randn(4, 3, 32, 32)]
+    per_tensor = quantize(model, batches, "int8", "minmax", per_channel=False)
+    per_channel = quantize(model, batches, "int8", "minmax")
+    name = "stages.3.blocks.0.large_kernel.lkb_reparam"
+    scales = per_tensor.get_submodule(name).weight_scale
+    weight = model.get_submodule(name).weight
+    assert torch.equal(scales, torch.full_like(scales, weight.abs().max().item() / 127))
+    assert per_tensor.lkcnn_quantization["per_channel"] is False
+    snr = layer_snr(model, per_channel, batches)
+    assert list(snr) == default_float_layers(model)[:-1] + per_channel.lkcnn_quantization["layers"] + ["head"]
+    assert all(math.isinf(snr[f"stem.{i}.conv"]) for i in range(4))  # float, and no 8-bit layer before them
+    assert all(10 < v < 80 for v in list(snr.values())[4:])
+    assert snr[name] > layer_snr(model, per_tensor, batches)[name]  # one scale for the large kernel's channels
+    sensitivity = layer_sensitivity(model, per_channel, batches)
+    assert list(sensitivity) == per_channel.lkcnn_quantization["layers"] and type(model.head) is torch.nn.Linear
+    assert all(v > output_snr(model, per_channel, batches) for v in sensitivity.values())  # one layer < all layers
+
+
 # --------------------------------------------------------------------------------------- a trained digits model
 @pytest.fixture(scope="session")
 def digits_checkpoint(tmp_path_factory) -> Path:
-    """The default run (replknet_tiny_32px on digits), shortened to 3 epochs: a model whose top-1 means something."""
+    """The default run (`python train.py`: replknet_tiny_32px on digits, 20 epochs; about 150 s on one thread) and
+    its best checkpoint, the model the 8-bit accuracy target is set for. A shorter run is no stand-in: its small
+    logit margins turn any rounding into lost predictions (a 3-epoch run at 91% top-1 loses 4 of its 359 validation
+    predictions in bfloat16 and 2-6 in INT8 with any setting)."""
     spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
     train_app = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_app)
@@ -145,12 +195,11 @@ def digits_checkpoint(tmp_path_factory) -> Path:
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=[f"paths.output_dir={out}", f"paths.runs_dir={out}", "cpu_threads=1",
-                                              "trainer.max_epochs=3", "data.batch_size=32",
-                                              "optim.scheduler.warmup_epochs=0", "optim.optimizer.lr=4e-3"])
-        assert train_app.train(cfg)["val/acc1"] > 0.6
+                                              "callbacks.progress_bar.refresh_rate=0"])
+        assert train_app.train(cfg)["val/acc1"] > 0.9
     finally:
         torch.set_num_threads(threads)
-    return out / "checkpoints" / "last.ckpt"
+    return next((out / "checkpoints").glob("best-*.ckpt"))
 
 
 @pytest.fixture(scope="session")
@@ -164,30 +213,38 @@ def digits_val():
 
 
 def test_int8_and_fp8_exports_keep_the_digits_accuracy(digits_checkpoint, calibration, digits_val, tmp_path):
+    """The target: INT8 and FP8 exports with the default settings keep the float model's top-1 within 0.5 points (one
+    of the 359 validation images); all layers in 8 bits (keep_float=[]), FP8 loses 2-4 of them."""
     cpu = torch.device("cpu")
     float_model, _ = deployed_from_checkpoint(digits_checkpoint)
     float_top1 = evaluate(float_model, digits_val, cpu)["top1"]
     x = calibration[0][:8]
     for precision in ("int8", "fp8"):
         out = tmp_path / precision
-        config = export_quantized(digits_checkpoint, out, precision, calibration, "data=digits", min_agreement=0.9)
-        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-        quant = config["quantization"]
-        assert quant["precision"] == precision and quant["top1_agreement"] >= 0.9
-        assert quant["calibration"] == {"data": "data=digits", "batches": 16, "images": 16 * 64}
-        model = lkcnn.load_deployed(out)
-        assert model.head.weight.dtype == FORMATS[precision].torch_dtype
-        top1 = evaluate(model, digits_val, cpu)["top1"]
-        print(f"{precision}: float top-1 {float_top1:.4f}, {precision} top-1 {top1:.4f}")
-        assert abs(top1 - float_top1) <= 0.03, (precision, top1, float_top1)
-        # the ONNX QDQ graph in onnxruntime against the fake-quant reference, on real images
-        try:
-            config = export_quantized(digits_checkpoint, out, precision, calibration, "data=digits", onnx=True,
-                                      min_agreement=0.9, force=True)
+        try:  # with the ONNX QDQ graph, checked in onnxruntime against the fake-quant model on real images
+            config = export_quantized(digits_checkpoint, out, precision, calibration, "data=digits", onnx=True)
         except ExportError as e:  # onnxruntime's fused FP8 kernels compute another function (see docs/export.md)
             assert precision == "fp8" and re.match(r"FP8 ONNX is not written: onnxruntime .* \(ORT_ENABLE_ALL\) "
-                                                   r"computes it with relative error", str(e)), e
-            assert not (out / "model.onnx").exists()
+                                                   r"computes it with a median relative error", str(e)), e
+            assert not out.exists()
+            config = export_quantized(digits_checkpoint, out, precision, calibration, "data=digits")
+        onnx = ["model.onnx"] if "onnx" in config else []
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", *onnx, "model.safetensors"]
+        quant = config["quantization"]
+        assert quant["precision"] == precision and quant["top1_agreement"] >= 0.99
+        assert quant["calibration"] == {"data": "data=digits", "batches": 16, "images": 16 * 64}
+        assert quant["float_layers"] == [f"stem.{i}.conv" for i in range(4)] + ["head"]
+        model = lkcnn.load_deployed(out)
+        assert model.stages[0].blocks[0].large_kernel.lkb_reparam.weight.dtype == FORMATS[precision].torch_dtype
+        assert model.stem[0].conv.weight.dtype == model.head.weight.dtype == torch.float32
+        top1 = evaluate(model, digits_val, cpu)["top1"]
+        print(f"{precision}: float top-1 {float_top1:.4f}, {precision} top-1 {top1:.4f}, agreement on the calibration "
+              f"images {quant['top1_agreement']:.4f}")
+        assert abs(top1 - float_top1) <= 0.005, (precision, top1, float_top1)
+        # finer than top-1, where INT8 meets the target with any setting: the logits' SNR (all layers 8-bit with
+        # one weight scale per tensor and min-max ranges: 23.9 dB INT8, 16.4 dB FP8; this default: 28.7, 21.0)
+        assert output_snr(float_model, model, calibration) > {"int8": 27.5, "fp8": 20.0}[precision]
+        if not onnx:
             continue
         assert config["onnx"]["opset"] == 19 and config["onnx"]["onnxruntime_relative_error"] < 1e-3
         with torch.no_grad():
@@ -198,7 +255,7 @@ def test_int8_and_fp8_exports_keep_the_digits_accuracy(digits_checkpoint, calibr
             session = onnxruntime.InferenceSession(str(out / "model.onnx"), options,
                                                    providers=["CPUExecutionProvider"])
             (logits,) = session.run(None, {"input": x.numpy()})
-            assert rel_err(torch.from_numpy(logits), reference) < tolerance, (precision, options)
+            assert median_image_error(torch.from_numpy(logits), reference) < tolerance, (precision, options)
 
 
 def test_export_refuses_a_model_that_disagrees_and_writes_nothing(digits_checkpoint, calibration, tmp_path):
@@ -233,6 +290,10 @@ def test_bad_inputs_end_in_one_line_and_write_nothing(digits_checkpoint, tmp_pat
          r"--opset 13 is too old for int8"),
         ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=digits", "--min-agreement", "1.5"],
          r"--min-agreement 1.5 must be a share between 0 and 1"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=digits", "--keep-float", "none", "head"],
+         r"--keep-float none quantizes every layer; it takes no module names beside it"),
+        ([ckpt, str(out), "--precision", "int8", "--calibrate", "data=digits", "--keep-float", "stem.9"],
+         r"keep-float 'stem.9' names no Conv2d or Linear layer of the model; pass module names such as stem, "),
     ]
     for argv, pattern in cases:
         one_line_error(capsys, export_main, argv, rf"^lkcnn-export: error: .*{pattern}")
@@ -248,10 +309,11 @@ def test_command_line_round_trip(digits_checkpoint, tmp_path):
     run = lambda *args: subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,  # noqa: E731
                                        cwd=ROOT, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     exported = run("lkcnn.export", str(digits_checkpoint), str(out), "--precision", "int8", "--calibrate",
-                   "data=digits", "--calib-batches", "4", "--observer", "minmax", "--min-agreement", "0.9")
+                   "data=digits", "--calib-batches", "4", "--observer", "minmax", "--keep-float", "head",
+                   "--min-agreement", "0.9")
     assert exported.returncode == 0, exported.stderr
-    assert re.search(r"exported replknet_tiny in int8 to .*top-1 agreement .* on 256 calibration images",
-                     exported.stdout)
+    assert re.search(r"exported replknet_tiny in int8 to .*top-1 agreement .* on 256 calibration images \(minmax "
+                     r"observer, 1 layer in float\)", exported.stdout)
     evaluated = run("lkcnn.evaluate", str(out), "data=digits", "--device", "cpu")
     assert evaluated.returncode == 0, evaluated.stderr
     match = re.search(r"^top1=(0\.\d{4}) top5=(0\.\d{4}|1\.0000) images/s=\d+\.\d \(359 images, data=digits, int8, "

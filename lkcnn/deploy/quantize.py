@@ -1,10 +1,21 @@
 """8-bit quantization of a deployed (re-parameterized) model: calibrate, then run it in fake-quant form.
 
-What is quantized: every `nn.Conv2d` (lkcnn's `LargeKernelConv` included) and `nn.Linear`. Its weights are
-quantized per output channel, symmetrically (scale = max |w| of the channel / qmax); its input activation per
-tensor, symmetrically, with a scale from calibration batches. Biases, BatchNorms, activations functions, pooling
-and residual additions stay in float32, as an 8-bit inference engine keeps them in its fused epilogues. Formats:
-INT8 (qmax 127, QuantizeLinear saturates to [-128, 127]) and FP8 e4m3fn (qmax 448).
+What is quantized: every `nn.Conv2d` (lkcnn's `LargeKernelConv` included) and `nn.Linear` except the stem and
+the classifier (`default_float_layers`; `keep_float=[]` quantizes them too). Its weights are quantized per output
+channel, symmetrically (scale = max |w| of the channel / qmax); its input activation per tensor, symmetrically, with
+a scale from calibration batches. Biases, BatchNorms, activations functions, pooling and residual additions stay in
+float32, as an 8-bit inference engine keeps them in its fused epilogues. Formats: INT8 (qmax 127, QuantizeLinear
+saturates to [-128, 127]) and FP8 e4m3fn (qmax 448).
+
+Why the stem stays in float: it runs at the highest resolution, and the network amplifies noise added there (on the
+digits model, noise at the first conv's output reaches the logits 7-10 dB stronger, noise at the last stage's output
+13 dB weaker), so its 8-bit rounding costs more than that of all later layers together in FP8 (whose 3 mantissa
+bits give every layer about 31 dB) and about half of the error in INT8. It is little of the work: 4 of RepLKNet-31B's
+131 conv and linear layers, with the classifier 1.7% of its multiply-adds at 224 px (12% of the digits model's at
+32 px); the classifier stays in float as is usual for 8-bit inference.
+Per-tensor weight scales are the naive setting: a re-parameterized large kernel, the sum of branches with their
+BatchNorms folded in, has channels of very different magnitude (max/median of the channels' max |w| up to 12 in the
+digits model), which a single scale resolves up to 13 dB worse in INT8.
 
 The quantized model is the float reference of the 8-bit graph: each quantized layer dequantizes its stored 8-bit
 weights and quantize-dequantizes its input through the registered ops `lkcnn.ops.qdq` (ONNX QuantizeLinear /
@@ -17,12 +28,17 @@ Activation observers (the calibration method, `observer=`):
   mse         amax minimizing the mean squared quantization error of |x|'s histogram, in the target format.
               torch.ao's HistogramObserver also searches by L2 error, but over an asymmetric integer range, so it
               fits neither a symmetric scale nor FP8's non-uniform grid.
-Weights always use torch.ao's PerChannelMinMaxObserver (max |w| per output channel).
+Weights use torch.ao's PerChannelMinMaxObserver (max |w| per output channel), or with `per_channel=False` its
+MinMaxObserver (one max |w| for the tensor).
+
+`layer_snr` and `layer_sensitivity` measure where the error arises (signal-to-noise ratios against the float model).
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import math
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,8 +163,13 @@ def activation_observer(observer: str, percentile: float = DEFAULT_PERCENTILE) -
     raise QuantizeError(f"unknown observer {observer!r}; choose one of {', '.join(OBSERVERS)}.")
 
 
-def weight_amax(weight: Tensor) -> Tensor:
-    """max |w| per output channel (axis 0), by torch.ao's PerChannelMinMaxObserver."""
+def weight_amax(weight: Tensor, per_channel: bool = True) -> Tensor:
+    """max |w| per output channel (axis 0), by torch.ao's PerChannelMinMaxObserver; with `per_channel=False` the
+    tensor's max |w| (its MinMaxObserver) for every channel."""
+    if not per_channel:
+        observer = MinMaxAmax()
+        observer.update(weight)
+        return observer.amax(FORMATS["int8"]).expand(weight.shape[0]).clone()
     observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
                                         quant_min=-127, quant_max=127)
     observer(weight.detach().float().cpu())
@@ -170,10 +191,11 @@ class _QuantLayer(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @torch.no_grad()
-    def set_scales(self, float_weight: Tensor, input_amax: Tensor) -> None:
-        """Quantize `float_weight` per output channel and set the input scale from the calibrated amax."""
+    def set_scales(self, float_weight: Tensor, input_amax: Tensor, per_channel: bool = True) -> None:
+        """Quantize `float_weight` (a scale per output channel, or one for the tensor) and set the input scale from
+        the calibrated amax."""
         fmt = FORMATS[self.precision]
-        self.weight_scale.copy_(fmt.scale(weight_amax(float_weight)))
+        self.weight_scale.copy_(fmt.scale(weight_amax(float_weight, per_channel)))
         self.weight.copy_(quantize_linear(float_weight.float(), self.weight_scale, self.qdtype, 0))
         self.input_scale.copy_(fmt.scale(input_amax))
 
@@ -248,22 +270,54 @@ def prepare_quantized(model: nn.Module, precision: str, layers: list[str]) -> nn
     return model
 
 
+def default_float_layers(model: nn.Module) -> list[str]:
+    """The layers `quantize` keeps in float unless told otherwise: the stem (the `stem` pattern of timm's
+    `group_matcher()`) and the classifier (`pretrained_cfg["classifier"]`); none for a model that names neither."""
+    stem = model.group_matcher().get("stem") if hasattr(model, "group_matcher") else None
+    classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+    return [name for name in quantizable_layers(model)
+            if (isinstance(stem, str) and re.match(stem, name)) or (classifier and _under(name, classifier))]
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _float_layers(model: nn.Module, keep_float: Sequence[str] | None) -> list[str]:
+    """`keep_float` (module names, each standing for the layers under it; None: `default_float_layers`) resolved to
+    the names of the Conv2d / Linear layers it covers."""
+    if keep_float is None:
+        return default_float_layers(model)
+    keep_float = [keep_float] if isinstance(keep_float, str) else keep_float
+    layers = quantizable_layers(model)
+    for prefix in keep_float:
+        if not any(_under(name, prefix) for name in layers):
+            raise QuantizeError(f"keep-float {prefix!r} names no Conv2d or Linear layer of the model; pass module "
+                                f"names such as {', '.join(dict.fromkeys(n.split('.')[0] for n in layers))}.")
+    return [name for name in layers if any(_under(name, prefix) for prefix in keep_float)]
+
+
 @torch.no_grad()
 def quantize(model: nn.Module, batches: Iterable[Tensor], precision: str = "int8", observer: str = "mse",
-             percentile: float = DEFAULT_PERCENTILE) -> nn.Module:
+             percentile: float = DEFAULT_PERCENTILE, keep_float: Sequence[str] | None = None,
+             per_channel: bool = True) -> nn.Module:
     """A fake-quant copy of the deploy-form `model`, calibrated on `batches` (input tensors); `model` is unchanged.
 
-    The copy's `lkcnn_quantization` records what was done (precision, observer, the quantized layer names), which
-    `prepare_quantized` needs to rebuild it.
+    `keep_float`: module names whose Conv2d / Linear layers stay in float (None: the stem and the classifier, see
+    `default_float_layers`; [] quantizes every layer). `per_channel=False` gives each weight tensor one scale.
+    The copy's `lkcnn_quantization` records what was done (precision, observer, the quantized and the float layer
+    names); `prepare_quantized` needs the quantized names to rebuild it.
     """
     fmt = get_format(precision)
     check_deploy_form(model)
     if observer == "percentile" and not 0 < percentile <= 100:
         raise QuantizeError(f"percentile {percentile} must be in (0, 100], e.g. 99.99.")
     quantized = copy.deepcopy(model).eval()
-    layers = quantizable_layers(quantized)
+    float_layers = _float_layers(quantized, keep_float)
+    layers = [name for name in quantizable_layers(quantized) if name not in float_layers]
     if not layers:
-        raise QuantizeError("the model has no Conv2d or Linear layer to quantize.")
+        raise QuantizeError("the model has no Conv2d or Linear layer to quantize" +
+                            (" outside the float layers (keep-float)." if float_layers else "."))
     observers = {name: activation_observer(observer, percentile) for name in layers}
     hooks = [quantized.get_submodule(name).register_forward_pre_hook(
         lambda _, args, name=name: observers[name].update(args[0])) for name in layers]
@@ -281,12 +335,84 @@ def quantize(model: nn.Module, batches: Iterable[Tensor], precision: str = "int8
     for name in layers:
         float_layer = quantized.get_submodule(name)
         layer = _quant_layer(float_layer, fmt)
-        layer.set_scales(float_layer.weight, observers[name].amax(fmt).to(device))
+        layer.set_scales(float_layer.weight, observers[name].amax(fmt).to(device), per_channel)
         _replace(quantized, name, layer)
     quantized.lkcnn_quantization = {"precision": fmt.name, "observer": observer, "layers": layers,
+                                    "float_layers": float_layers, "per_channel": per_channel,
                                     "calibration_images": images,
                                     **({"percentile": percentile} if observer == "percentile" else {})}
     return quantized
+
+
+# -------------------------------------------------------------------------------------------------------- analysis
+def _snr_db(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def _power(x: Tensor) -> float:
+    return float(x.double().square().sum())
+
+
+@torch.no_grad()
+def output_snr(reference: nn.Module, candidate: nn.Module, batches: Iterable[Tensor]) -> float:
+    """SNR in dB of `candidate`'s outputs (logits) against `reference`'s on `batches`."""
+    signal = noise = 0.0
+    device = next(reference.parameters()).device
+    for x in batches:
+        expected = reference(x.to(device))
+        signal += _power(expected)
+        noise += _power(candidate(x.to(device)) - expected)
+    return _snr_db(signal, noise)
+
+
+@torch.no_grad()
+def layer_snr(reference: nn.Module, quantized: nn.Module, batches: Iterable[Tensor]) -> dict[str, float]:
+    """SNR in dB of every Conv2d / Linear layer's output in the quantized model against the same layer's output in
+    the float `reference`, both fed the same images: how the error builds up along the network (the float layers'
+    outputs carry the error of the 8-bit layers before them)."""
+    names = quantizable_layers(reference)
+    expected: dict[str, Tensor] = {}
+    power = {name: [0.0, 0.0] for name in names}  # signal, noise
+
+    def compare(name: str, out: Tensor) -> None:
+        power[name][0] += _power(expected[name])
+        power[name][1] += _power(out - expected[name])
+
+    hooks = [reference.get_submodule(name).register_forward_hook(
+        lambda _, __, out, name=name: expected.__setitem__(name, out)) for name in names]
+    hooks += [quantized.get_submodule(name).register_forward_hook(
+        lambda _, __, out, name=name: compare(name, out)) for name in names]
+    device = next(reference.parameters()).device
+    try:
+        for x in batches:
+            reference(x.to(device))
+            quantized(x.to(device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: _snr_db(*power[name]) for name in names}
+
+
+@torch.no_grad()
+def layer_sensitivity(reference: nn.Module, quantized: nn.Module, batches: Iterable[Tensor]) -> dict[str, float]:
+    """For each 8-bit layer of `quantized`: the SNR in dB of the float `reference`'s outputs when that layer alone is
+    8-bit. A layer's own rounding error times how much the rest of the network amplifies it; the lowest values are
+    the layers worth keeping in float. `reference` gets each layer swapped in and back."""
+    device = next(reference.parameters()).device
+    inputs = [x.to(device) for x in batches]
+    expected = [reference(x) for x in inputs]
+    signal = sum(_power(e) for e in expected)
+    result = {}
+    for name in quantized.lkcnn_quantization["layers"]:
+        original = reference.get_submodule(name)
+        _replace(reference, name, quantized.get_submodule(name))
+        try:
+            result[name] = _snr_db(signal, sum(_power(reference(x) - e) for x, e in zip(inputs, expected)))
+        finally:
+            _replace(reference, name, original)
+    return result
 
 
 @torch.no_grad()
