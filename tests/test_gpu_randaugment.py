@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.profiler import ProfilerActivity, profile
 from test_gpu_decode import datamodule, on_both_devices, write_asymmetric
 from test_imagenet_pipeline import imagenet_config, photo
 from timm.data import create_transform
@@ -185,6 +186,38 @@ def test_batches_keep_dtype_and_images_without_ops():
     assert as_float.dtype == torch.float32 and torch.equal((as_float * 255).round().byte(), out)
     with pytest.raises(ValueError, match="3 plans for 4 images"):
         device(batch, plans[:3])
+
+
+def aten_ops(device: GpuRandAugment, batch: torch.Tensor, plans: list[tuple[Step, ...]]) -> int:
+    """The ATen ops one call runs, as the host sees them (on a GPU, each one or more kernel launches)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        device(batch, plans)
+    return sum(event.cpu_parent is None and event.name.startswith("aten::") for event in prof.events())
+
+
+def test_a_batch_costs_a_bounded_number_of_ops_whatever_was_drawn():
+    """Each plan position runs every op kind as one batched form (a lookup, a blend, a grid_sample per filter), so
+    the host's work per batch does not grow with the batch or with the variety of ops drawn. Grouped per op instead,
+    the worst case below ran 681 ops."""
+    randaugment = timm_randaugment(interpolation="random")
+    device = GpuRandAugment(randaugment)
+    filters = (Image.Resampling.NEAREST, Image.Resampling.BILINEAR, Image.Resampling.BICUBIC)
+    steps = [Step(op.name, op.level_fn(9, op.hparams) if op.level_fn is not None else (), resample)
+             for op in randaugment.ops for resample in (filters if op.aug_fn in AFFINE_OPS else (None,))]
+
+    def every_op_twice(n: int) -> list[tuple[Step, ...]]:  # each op and filter at both positions of a plan
+        return [(steps[i % len(steps)], steps[(7 * i + 3) % len(steps)]) for i in range(n)]
+
+    def ops(plans: list[tuple[Step, ...]]) -> int:
+        batch = torch.rand(len(plans), 3, 32, 32)
+        device(batch, plans)  # the first call also makes the per-device constants
+        return aten_ops(device, batch, plans)
+
+    worst = ops(every_op_twice(64))
+    assert worst == ops(every_op_twice(128)) and worst < 2 * 160, worst
+    seed_all(0)
+    drawn = [device.draw() for _ in range(64)]
+    assert 0 < ops(drawn) <= worst
 
 
 def test_decode_gpu_makes_the_cpu_pipelines_images_under_one_seed(tmp_path, no_cuda_check):
