@@ -326,7 +326,7 @@ def test_committed_kernel_record_is_current_schema():
         assert row["speedup_vs_torch"]["total"] > 1
 
 
-@pytest.mark.parametrize("command", ["e2e", "loader", "app"])
+@pytest.mark.parametrize("command", ["e2e", "loader", "app", "deploy8"])
 def test_subcommands_answer_help(command):
     proc = subprocess.run([sys.executable, "-m", "lkcnn.bench", command, "--help"], capture_output=True, text=True,
                           timeout=120, cwd=bench.ROOT)

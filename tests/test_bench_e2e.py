@@ -18,6 +18,12 @@ NAMES = {
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>(...)": "optimizer",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "GEMM (1x1 convs, head)",
     "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT": "GEMM (1x1 convs, head)",
+    # the 8-bit GEMMs' names as cuBLASLt, CUTLASS (torch._scaled_mm's row-wise kernel) and inductor form them; not
+    # yet checked against a profiled H100 run
+    "sm80_xmma_gemm_i8i32_i8i32_i32_tn_n_tilesize128x128x64_stage3_warpsize2x2x1": "8-bit GEMM (INT8 / FP8)",
+    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, "
+    "cutlass::gemm::collective::CollectiveMma<..., cutlass::float_e4m3_t, ...>>>(...)": "8-bit GEMM (INT8 / FP8)",
+    "triton_tem_fused__int_mm_mul_3": "8-bit GEMM (INT8 / FP8)",
     "triton_per_fused__native_batch_norm_legit_functional_relu_3": "inductor fused (norms, activations, adds)",
     "void at::native::elementwise_kernel<128, 2>(...)": OTHER,
 }

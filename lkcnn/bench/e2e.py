@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lkcnn import timing
-from lkcnn.bench.profile import by_category, kernel_table
+from lkcnn.bench.profile import by_category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.ops import set_conv_impl
@@ -101,15 +101,9 @@ def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, chann
                 cuda_graph: bool = False, profile_steps: int = 5, **model_kwargs) -> dict[str, Any]:
     """One variant from one setup (a compiled one compiles once): its images/s (wall time of `steps` steps after
     `warmup`) and its GPU time per step by cost category over `profile_steps` more steps under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
     step_ms = timing.mean_ms(step, steps, warmup, wall=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(profile_steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = kernel_table(prof.key_averages())
+    kernels = profile_kernels(step, profile_steps)
     del step, state
     release()
     return {"images_per_s": batch / step_ms * 1e3, "step_ms": step_ms,

@@ -3,6 +3,9 @@ the plain DDP loop (scripts/ddp_profile.py) and the training app (`python -m lkc
 """
 from __future__ import annotations
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 
 def gpu_timeline(prof, steps: int = 3) -> dict[str, float]:
     """This rank's (or process's) GPU timeline over the profiled steps, per step: the span from the first kernel's
@@ -36,13 +39,24 @@ def per_step(kernels, steps: int = 3) -> dict[str, list[float]]:
     return {e.key: [e.self_device_time_total / 1e3 / steps, e.count / steps] for e in kernels}
 
 
+def profile_kernels(fn, calls: int) -> list:
+    """`kernel_table` of `calls` calls of `fn` (GPU work) under torch.profiler."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_table(prof.key_averages())
+
+
 # Kernel names -> the step's cost categories of docs/performance.md, first match wins (lkcnn's kernels are in
-# namespace lkcnn: `dwconv_*` and the layout `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`).
+# namespace lkcnn: `dwconv_*` and the layout `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`; the 8-bit
+# GEMMs name their operand types: cuBLASLt's `i8i32` / `s8`, CUTLASS's `float_e4m3_t`, inductor's `_int_mm` template).
 CATEGORIES = (
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
     ("optimizer", ("multi_tensor", "adam")),
+    ("8-bit GEMM (INT8 / FP8)", ("i8i32", "_s8", "imma", "e4m3", "f8f8", "int_mm")),
     ("GEMM (1x1 convs, head)", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "sm90_", "sm80_")),
     ("inductor fused (norms, activations, adds)", ("triton_",)),
 )

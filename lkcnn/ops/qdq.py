@@ -34,9 +34,15 @@ def _broadcast(scale: Tensor, dim: int, axis: int) -> Tensor:
 def quantize_linear(x: Tensor, scale: Tensor, dtype: str, axis: int = 1) -> Tensor:
     """ONNX QuantizeLinear, zero point 0: int8 rounds half to even and saturates; float8 e4m3fn rounds to nearest
     even and saturates at +-448 (a plain cast would give NaN)."""
-    qdtype = DTYPE_NAMES[dtype]
+    return quantize_values(x, _broadcast(scale, x.dim(), axis), DTYPE_NAMES[dtype])
+
+
+def quantize_values(x: Tensor, scale: Tensor, qdtype: torch.dtype) -> Tensor:
+    """QuantizeLinear's arithmetic (x / scale, rounded, saturated, cast to `qdtype`) in plain torch ops, `scale`
+    broadcastable to `x`: the registered op runs it, and the 8-bit GEMMs (lkcnn.deploy.gemm8) call it directly, so
+    that torch.compile fuses it into the kernel that produces `x` (a registered op is opaque to inductor)."""
     low, high = QRANGE[qdtype]
-    y = x.float() / _broadcast(scale, x.dim(), axis)
+    y = x.float() / scale
     if qdtype == torch.int8:
         y = torch.round(y)
     return y.clamp(low, high).to(qdtype)
