@@ -85,3 +85,8 @@ def test_decode_paths_compared_on_generated_jpegs(tmp_path):
         workers, rate, per_worker, needed = rows[row["what"]]
         assert row["images_per_s"] == rate > 0 and abs(per_worker * min(workers, len(os.sched_getaffinity(0))) - rate) < 0.1 * rate
         assert abs(needed * per_worker - 1280) < 0.01 * 1280
+    (gpu_row,) = [row for row in record["rows"] if row["what"] == "decode=gpu"]
+    stages = gpu_row["stage_ms"]
+    assert list(stages) == ["decode", "crop+resize+flip", "RandAugment", "normalize+erase"], stages
+    assert all(ms > 0 for ms in stages.values()), stages
+    assert ", ".join(f"{stage} {ms:.2f}" for stage, ms in stages.items()) in result.stdout, result.stdout

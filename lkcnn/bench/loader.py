@@ -16,7 +16,8 @@ Batches are collated and pinned (data.pin_memory, where CUDA is present) as in t
 (500x375, cut from scikit-learn's sample photos at random, quality 75-95) into a temporary ImageNet layout, times
 the `data=imagenet` recipe's CPU pipeline (images/s per worker, workers needed for --train-rate) and the GPU path
 with --gpu-workers workers (decode, augmentation and mixup on the GPU included), prints a table and, with
---json PATH, writes an `lkcnn-benchmark/1` record (kind `loader`):
+--json PATH, writes an `lkcnn-benchmark/1` record (kind `loader`). For the GPU path it also times each stage of the
+device half per batch (decode, crop+resize+flip, RandAugment, normalize+erase) between CUDA events:
 
     python -m lkcnn.bench loader --jpegs 4000 --json benchmarks/h100_loader.json
 """
@@ -39,6 +40,7 @@ from hydra.utils import instantiate
 from lkcnn import timing
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.training.configs import compose_train
+from lkcnn.training.data import gpu_decode
 from lkcnn.training.errors import exit_on_user_error
 
 # RepLKNet-31B (224 px, bf16, channels_last, CUDA graphs) trains at about 1100-1300 images/s on one H100
@@ -85,6 +87,34 @@ def time_loader(datamodule: Any, batches: int, warmup: int,
 
     batch_ms = timing.mean_ms(step, batches, warmup, device=device or "cpu", wall=True)
     return sum(images[warmup:]) / (batch_ms * batches / 1e3), batch_ms
+
+
+DEVICE_STAGES = ("decode", "crop+resize+flip", "RandAugment", "normalize+erase")
+
+
+def device_stage_ms(datamodule: Any, batches: int, warmup: int, device: torch.device) -> dict[str, float]:
+    """Mean ms per batch of each stage of the decode=gpu path (gpu_decode's decode, resize, rand_augment, finish),
+    between CUDA events, on batches the loader made beforehand so that no stage waits for a worker. On a GPU bound by
+    launches an interval is about the host's time for the stage's launches."""
+    loader = iter(datamodule.train_dataloader())
+    encoded = [datamodule.on_before_batch_transfer(next(loader), 0)[0] for _ in range(warmup + batches)]
+    intervals = []
+    for batch in encoded:
+        marks = [timing.mark(device)]
+        decoded, _ = gpu_decode.decode(batch, device)
+        marks.append(timing.mark(device))
+        kept = [(image, encoded_image.crop) for image, encoded_image in zip(decoded, batch.images) if image is not None]
+        images, crops = [image for image, _ in kept], [crop for _, crop in kept]
+        out = gpu_decode.resize(images, crops, batch.transform)
+        marks.append(timing.mark(device))
+        out = gpu_decode.rand_augment(out, crops, batch.transform)
+        marks.append(timing.mark(device))
+        gpu_decode.finish(out, batch.transform)
+        marks.append(timing.mark(device))
+        intervals.append(marks)
+    timing.synchronize(device)
+    return {stage: sum(timing.elapsed_ms(marks[i], marks[i + 1]) for marks in intervals[warmup:]) / batches
+            for i, stage in enumerate(DEVICE_STAGES)}
 
 
 def measure_loader(args: argparse.Namespace) -> None:
@@ -148,11 +178,16 @@ def compare_decode(args: argparse.Namespace, argv: Sequence[str]) -> None:
                          "batch_size": datamodule.batch_size, "images_per_s": round(rate, 1),
                          "images_per_s_per_worker": round(per_core, 1),
                          "workers_needed": round(args.train_rate / per_core, 2)})
+            if decode == "gpu":
+                stages = device_stage_ms(datamodule, args.batches, args.warmup, device)
+                rows[-1]["stage_ms"] = {stage: round(ms, 2) for stage, ms in stages.items()}
     print(f"{'':12} {'workers':>7} {'images/s':>9} {'per worker':>10} {f'workers for {args.train_rate:g}/s':>18}")
     for row in rows:
         print(f"{row['what']:12} {row['workers']:>7} {row['images_per_s']:>9.1f} "
               f"{row['images_per_s_per_worker']:>10.1f} {row['workers_needed']:>18.2f}")
-    print("decode=gpu: its rate includes decoding, RandAugment, erasing and mixup on the GPU")
+    print("decode=gpu: its rate includes decoding, RandAugment, erasing and mixup on the GPU; per batch of "
+          f"{rows[-1]['batch_size']}, ms (CUDA events, batches loaded beforehand, no mixup): "
+          + ", ".join(f"{stage} {ms:.2f}" for stage, ms in rows[-1]["stage_ms"].items()))
     if args.json:
         method = {"timer": "time.perf_counter over --batches after --warmup, CUDA synchronized for decode=gpu",
                   "units": "images/s of the data=imagenet training loader",

@@ -16,6 +16,7 @@ is how the CPU tests run the device path.
 """
 from __future__ import annotations
 
+import functools
 import io
 import random
 from collections.abc import Sequence
@@ -279,12 +280,7 @@ def _resized_crop(image: torch.Tensor, crop: Crop, size: tuple[int, int]) -> tor
     # only samples bilinearly, and antialiased bicubic (as PIL does it on the CPU path) keeps both paths' images
     # alike; a batch is a few dozen small launches.
     box = image[:, crop.top:crop.top + crop.height, crop.left:crop.left + crop.width].float()
-    out = F.resize(box, list(size), interpolation=crop.interpolation, antialias=True)
-    if crop.hflip:
-        out = out.flip(-1)
-    if crop.vflip:
-        out = out.flip(-2)
-    return out
+    return F.resize(box, list(size), interpolation=crop.interpolation, antialias=True)
 
 
 def _eval_crop(image: torch.Tensor, transform: DeviceTransform) -> torch.Tensor:
@@ -292,23 +288,41 @@ def _eval_crop(image: torch.Tensor, transform: DeviceTransform) -> torch.Tensor:
     return F.center_crop(resized, list(transform.size))
 
 
-def augment(images: list[torch.Tensor], crops: list[Crop | None], transform: DeviceTransform) -> torch.Tensor:
-    """Decoded uint8 images (on one device) -> the normalized float batch (N, 3, H, W), as the CPU pipeline makes it.
+def _flip(batch: torch.Tensor, images: list[int], dim: int) -> None:
+    """Flip `images` of the batch along `dim` in place: one flip for all of them, not one per image."""
+    if not images:
+        return
+    index = torch.tensor(images)
+    if batch.is_cuda:  # an asynchronous copy: a pageable one would make the host wait for the queued work
+        index = index.pin_memory()
+    index = index.to(batch.device, non_blocking=True)
+    batch.index_copy_(0, index, batch.index_select(0, index).flip(dim))
 
-    Values are clamped to 0..255 after resizing, as PIL's uint8 output is (bicubic overshoots); RandAugment and
-    colour jitter run on 0..1 floats, random erasing on the normalized batch, like timm's pipeline orders them.
-    """
-    if transform.training:
-        out = [_resized_crop(image, crop, transform.size) for image, crop in zip(images, crops, strict=True)]
-    else:
-        out = [_eval_crop(image, transform) for image in images]
-    batch = torch.stack(out).clamp_(0, 255).div_(255)
-    if transform.rand_augment is not None:
-        batch = transform.rand_augment(batch, [crop.rand_augment for crop in crops])
+
+def resize(images: list[torch.Tensor], crops: list[Crop | None], transform: DeviceTransform) -> torch.Tensor:
+    """Decoded uint8 images (on one device) -> the float batch (N, 3, H, W) in 0..1: training images cropped,
+    resized and flipped as drawn, eval images resized and centre-cropped. Values are clamped after resizing, as
+    PIL's uint8 output is (bicubic overshoots)."""
+    if not transform.training:
+        return torch.stack([_eval_crop(image, transform) for image in images]).clamp_(0, 255).div_(255)
+    batch = torch.stack([_resized_crop(image, crop, transform.size) for image, crop in zip(images, crops, strict=True)])
+    _flip(batch, [i for i, crop in enumerate(crops) if crop.hflip], -1)
+    _flip(batch, [i for i, crop in enumerate(crops) if crop.vflip], -2)
+    return batch.clamp_(0, 255).div_(255)
+
+
+def rand_augment(batch: torch.Tensor, crops: list[Crop | None], transform: DeviceTransform) -> torch.Tensor:
+    """RandAugment's ops the workers drew, on the float batch in 0..1 (unchanged without RandAugment)."""
+    if transform.rand_augment is None:
+        return batch
+    return transform.rand_augment(batch, [crop.rand_augment for crop in crops])
+
+
+def finish(batch: torch.Tensor, transform: DeviceTransform) -> torch.Tensor:
+    """Colour jitter on the float batch in 0..1, normalization, then random erasing, as timm's pipeline orders them."""
     if transform.color_jitter is not None:
         batch = torch.stack([transform.color_jitter(image) for image in batch])
-    mean = torch.tensor(transform.mean, device=batch.device).view(1, -1, 1, 1)
-    std = torch.tensor(transform.std, device=batch.device).view(1, -1, 1, 1)
+    mean, std = _normalization(transform.mean, transform.std, batch.device)
     batch = batch.sub_(mean).div_(std)
     if transform.random_erasing is not None:
         erasing = transform.random_erasing
@@ -316,6 +330,20 @@ def augment(images: list[torch.Tensor], crops: list[Crop | None], transform: Dev
             erasing = transform.random_erasing = _on_device(erasing, batch.device)
         batch = erasing(batch)
     return batch
+
+
+def augment(images: list[torch.Tensor], crops: list[Crop | None], transform: DeviceTransform) -> torch.Tensor:
+    """Decoded uint8 images (on one device) -> the normalized float batch (N, 3, H, W), as the CPU pipeline makes it:
+    `resize`, `rand_augment`, `finish` (the stages `python -m lkcnn.bench loader --jpegs` times one by one)."""
+    return finish(rand_augment(resize(images, crops, transform), crops, transform), transform)
+
+
+@functools.lru_cache
+def _normalization(mean: tuple[float, ...], std: tuple[float, ...],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize's mean and std (1, C, 1, 1) on `device`, made once: a tensor made from a list on a GPU is a copy
+    that waits for the work queued there, which would keep the host from launching ahead."""
+    return tuple(torch.tensor(values, device=device).view(1, -1, 1, 1) for values in (mean, std))
 
 
 def _on_device(erasing: RandomErasing, device: torch.device) -> RandomErasing:
