@@ -63,6 +63,12 @@ def test_every_gemm_layer_converts_and_computes_what_the_fake_quant_layer_does(d
             assert not isinstance(module, Gemm8)
     assert isinstance(model.get_submodule("stages.0.blocks.0.large_kernel.lkb_reparam"), QuantConv2d)
     assert type(model.head) is nn.Linear and not hasattr(fake, "lkcnn_gemm8")  # the float classifier; fake unchanged
+    # the layers left fake-quant run its QDQ in plain torch ops: the very same values as the registered ops
+    rest = [n for n in fake.lkcnn_quantization["layers"] if n not in expected]
+    assert rest and all(model.get_submodule(n).fusable and not fake.get_submodule(n).fusable for n in rest)
+    for name, (inputs, reference) in layer_inputs(fake, rest, torch.randn(4, 3, 32, 32)).items():
+        with torch.no_grad():
+            assert torch.equal(model.get_submodule(name)(inputs), reference), name
 
     # Layer by layer, on the fake-quant model's own inputs. Both sides multiply the same 8-bit values. INT8: the
     # int32 sums are exact, the fake-quant float32 convolution's are not; a K-term float32 sum is within

@@ -11,7 +11,8 @@ channel and the bias added:
   FP8   `torch._scaled_mm` on e4m3 operands with row-wise scales (the input scale repeated per row: a tensor-wise
         scale_a cannot be mixed with a row-wise scale_b) and the bias in its epilogue, bfloat16 out.
 Every other layer (the large depthwise convolutions, the stride-2 depthwise ones, the float stem and classifier,
-BatchNorms, activations) runs as in the fake-quant model.
+BatchNorms, activations) runs as in the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor
+fuses it too.
 
 Shape limits, CUDA's, applied on every device so that which layers convert does not depend on where the model runs:
 cuBLASLt's INT8 GEMM takes input and output channels in multiples of 8 and more than 16 rows (fewer rows are padded
@@ -131,6 +132,9 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modu
         parent, _, child = name.rpartition(".")
         setattr(converted.get_submodule(parent) if parent else converted, child, Gemm8(layer))
         layers.append(name)
+    for layer in converted.modules():  # the rest stays fake-quant, with its QDQ fusable under torch.compile
+        if isinstance(layer, QuantLayer):
+            layer.fusable = True
     if dtype is not None:
         _cast_float_state(converted, dtype)
     converted.lkcnn_gemm8 = {"precision": quantization["precision"], "layers": layers, "fallback": fallback}

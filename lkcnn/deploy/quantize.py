@@ -48,7 +48,7 @@ from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObser
 
 from lkcnn.layers import LargeKernelConv
 from lkcnn.ops import dwconv2d
-from lkcnn.ops.qdq import dequantize_linear, fake_quantize, quantize_linear
+from lkcnn.ops.qdq import DTYPE_NAMES, dequantize_linear, fake_quantize, quantize_linear, quantize_values
 
 OBSERVERS = ("minmax", "percentile", "mse")
 DEFAULT_PERCENTILE = 99.99
@@ -189,6 +189,8 @@ class _QuantLayer(nn.Module):
         self.register_buffer("weight_scale", torch.ones(weight.shape[0], device=weight.device))
         self.register_buffer("input_scale", torch.ones((), device=weight.device))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        # True: QDQ in plain torch ops (`_inputs`); lkcnn.deploy.gemm8 sets it on the layers it leaves in this form
+        self.fusable = False
 
     @torch.no_grad()
     def set_scales(self, float_weight: Tensor, input_amax: Tensor, per_channel: bool = True) -> None:
@@ -200,6 +202,12 @@ class _QuantLayer(nn.Module):
         self.input_scale.copy_(fmt.scale(input_amax))
 
     def _inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self.fusable:  # the registered ops' arithmetic, which torch.compile fuses into the neighbouring kernels,
+            # where each registered op (opaque to it, but what ONNX export needs) is a pass of its own over the tensor
+            q = quantize_values(x, self.input_scale, DTYPE_NAMES[self.qdtype])
+            xq = (q.float() * self.input_scale).to(x.dtype)
+            w = (self.weight.float() * self.weight_scale.view(-1, *[1] * (self.weight.dim() - 1))).to(x.dtype)
+            return xq, w, None if self.bias is None else self.bias.to(x.dtype)
         xq = fake_quantize(x, self.input_scale, self.qdtype).to(x.dtype)
         w = dequantize_linear(self.weight, self.weight_scale, 0).to(x.dtype)
         return xq, w, None if self.bias is None else self.bias.to(x.dtype)
