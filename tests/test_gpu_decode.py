@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -142,6 +143,37 @@ def test_odd_files_take_the_cpu_decode_and_corrupt_ones_are_counted_once(tmp_pat
     strict.setup("fit")
     with pytest.raises(CorruptImageError, match=r"odd_truncated\.JPEG .*data\.on_corrupt=skip"):
         run_epoch(strict, 0, train=True)
+
+
+def test_a_batch_crosses_from_a_worker_as_one_tensor_of_jpeg_bytes(tmp_path, no_cuda_check):
+    import io
+    import pickle
+
+    from multiprocessing.reduction import ForkingPickler  # torch registers its tensor reductions on it
+
+    rng = np.random.default_rng()
+    write_imagenet(tmp_path, train=6, val=2, rng=rng)
+    write_odd_files(tmp_path, rng)
+    dm = instantiate(imagenet_config(tmp_path, 3, decode="gpu").data)
+    dm.setup("fit")
+    samples = [dm.train_set[i] for i in range(len(dm.train_set))]
+    batch, _, _ = dm.train_set.collate(samples)
+    assert {image.data.dim() for image in batch.images} == {1, 3}  # plain JPEGs and images the worker decoded
+    state = batch.__getstate__()
+    assert [type(v).__name__ for v in state.values() if isinstance(v, torch.Tensor)] == ["Tensor"]
+    buffer = io.BytesIO()
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(batch)  # as a DataLoader worker sends it
+    received = pickle.loads(buffer.getvalue())
+    assert len(received) == len(batch)
+    for sent, got in zip(batch.images, received.images, strict=True):
+        assert got.path == sent.path and got.crop == sent.crop and torch.equal(got.data, sent.data)
+    decoded = [gpu_decode.decode(b, "cpu")[0] for b in (batch, received)]
+    assert all(torch.equal(a, b) for a, b in zip(*decoded, strict=True))
+    dm.num_workers = 1  # and through a real worker process
+    dm.trainer = SimpleNamespace(training=True)
+    for images, targets in (dm.on_after_batch_transfer(dm.on_before_batch_transfer(b, 0), 0)
+                            for b in dm.train_dataloader()):
+        assert images.shape[1:] == (3, 64, 64) and torch.isfinite(images).all() and len(images) == len(targets)
 
 
 def test_a_jpeg_the_decoder_rejects_costs_only_itself(tmp_path, no_cuda_check):

@@ -16,11 +16,11 @@ is how the CPU tests run the device path.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,7 +67,7 @@ class Crop(NamedTuple):
     rand_augment: tuple[Step, ...] = ()
 
 
-@dataclass
+@dataclasses.dataclass
 class DeviceTransform:
     """The CPU pipeline's ops, re-expressed for the device path; built by `device_transform` from timm's Compose.
 
@@ -151,7 +151,7 @@ def device_transform(pipeline: T.Compose, training: bool) -> DeviceTransform:
     return DeviceTransform(**found, skipped=tuple(skipped))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class EncodedImage:
     """A worker's output for one image: JPEG bytes (1-D uint8) or, for files nvJPEG should not get, the decoded
     (3, H, W) uint8 image; and the random draws."""
@@ -207,7 +207,12 @@ class EncodedImageFiles(Dataset):
 
 class EncodedBatch:
     """A batch for the device path. Deliberately no `.to()` and not a dataclass: Lightning's batch transfer leaves
-    it on the host, where `decode_jpeg` wants its input even when it decodes on the GPU."""
+    it on the host, where `decode_jpeg` wants its input even when it decodes on the GPU.
+
+    Pickled (a loader worker handing it to the main process), the JPEG bytes of all images travel as one tensor:
+    torch shares every tensor of a worker's batch through a shared-memory segment of its own, and receiving 64 of
+    them cost the main process more than decoding and augmenting the batch on the GPU.
+    """
 
     def __init__(self, images: list[EncodedImage], transform: DeviceTransform) -> None:
         self.images = images
@@ -215,6 +220,19 @@ class EncodedBatch:
 
     def __len__(self) -> int:
         return len(self.images)
+
+    def __getstate__(self) -> dict[str, Any]:
+        jpegs = [image.data for image in self.images if image.data.dim() == 1]
+        return {"transform": self.transform, "sizes": [len(data) for data in jpegs],
+                "jpegs": torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8),
+                "images": [image if image.data.dim() != 1 else dataclasses.replace(image, data=None)
+                           for image in self.images]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        jpegs = iter(torch.split(state["jpegs"], state["sizes"]))  # views of the one tensor
+        self.transform = state["transform"]
+        self.images = [image if image.data is not None else dataclasses.replace(image, data=next(jpegs))
+                       for image in state["images"]]
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
