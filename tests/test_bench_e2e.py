@@ -18,8 +18,10 @@ NAMES = {
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>(...)": "optimizer",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "GEMM (1x1 convs, head)",
     "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT": "GEMM (1x1 convs, head)",
-    # the 8-bit GEMMs' names as cuBLASLt, CUTLASS (torch._scaled_mm's row-wise kernel) and inductor form them; not
-    # yet checked against a profiled H100 run
+    # the 8-bit GEMMs: the first two as a profiled H100 run named them (torch._int_mm, torch._scaled_mm row-wise),
+    # the others as cuBLASLt, CUTLASS and inductor form such names
+    "void cutlass::Kernel2<cutlass_80_tensorop_i16832gemm_s8_128x64_128x3_tn_align16>(...)": "8-bit GEMM (INT8 / FP8)",
+    "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT": "8-bit GEMM (INT8 / FP8)",
     "sm80_xmma_gemm_i8i32_i8i32_i32_tn_n_tilesize128x128x64_stage3_warpsize2x2x1": "8-bit GEMM (INT8 / FP8)",
     "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, "
     "cutlass::gemm::collective::CollectiveMma<..., cutlass::float_e4m3_t, ...>>>(...)": "8-bit GEMM (INT8 / FP8)",
