@@ -35,6 +35,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     module = instantiate(cfg.module)
     module.hydra_config = resolved  # saved in every checkpoint
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    if cfg.trainer.get("limit_val_batches") == 0:  # a training-speed run: no val/ metric for a callback to watch
+        callbacks = [c for c in callbacks if not str(getattr(c, "monitor", None) or "").startswith("val")]
     choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
     callbacks.append(RunSummary(choices, cfg.paths.output_dir))  # always: what the run does, before its first step
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]

@@ -97,6 +97,9 @@ def test_bad_checkpoint_files_are_one_line_errors(tmp_path):
 def test_cli_mismatched_checkpoint_exits_with_one_line(tmp_path):
     first = run_cli(f"hydra.run.dir={tmp_path / 'a'}", "trainer.max_steps=1", "trainer.limit_val_batches=0")
     assert first.returncode == 0, first.stderr[-2000:]
+    # without validation the best-checkpoint callback is left out (it would warn that val/acc1 is never logged)
+    assert "monitored key" not in first.stdout + first.stderr
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").iterdir()] == ["last.ckpt"]
     result = run_cli(f"hydra.run.dir={tmp_path / 'b'}", "model.kernel_sizes=[13,13,13,13]",
                      f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}")
     assert result.returncode != 0 and "Traceback" not in result.stderr
