@@ -33,6 +33,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models gain next to nothing from intra-op threads, and on a busy CPU each thread barrier can stall for a
+    scheduler slice (measured: 14 s single-threaded vs 207 s with two threads for the default-run test in
+    test_train.py). Modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def no_cuda_check(monkeypatch):
     """decode=gpu DataModules on a machine without CUDA: the device half then runs on the CPU."""
     from lkcnn.training.data import gpu_decode  # here, not at the top: the other tests need no data stack

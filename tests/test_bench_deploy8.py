@@ -9,12 +9,7 @@ from lkcnn.bench import deploy8
 from lkcnn.bench.record import SCHEMA, load_record
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; on a GPU the command compiles RepLKNet")

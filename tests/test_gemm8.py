@@ -16,13 +16,7 @@ from lkcnn.ops.qdq import dequantize_linear, fake_quantize
 U32, U16 = 2.0 ** -24, 2.0 ** -8  # unit roundoff of float32 and bfloat16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small convolutions: on a busy CPU intra-op threads stall each other (see test_train.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -46,13 +46,7 @@ INT8, FP8 = FORMATS["int8"], FORMATS["fp8"]
 CALIB = ["data=digits"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small convolutions: on a busy CPU intra-op threads stall each other (see test_train.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------ observers, fake-quant

@@ -37,14 +37,7 @@ TINY_WIDTH = {"replknet": ["+model.channels=[8,8,16,16]", "+model.depths=[1,1,1,
 MODEL_CONFIGS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tiny models gain next to nothing from intra-op threads, and on a busy CPU each thread barrier can stall
-    for a scheduler slice (measured: 14 s single-threaded vs 207 s with two threads for the default-run test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class LrProbe(L.Callback):

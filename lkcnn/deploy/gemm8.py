@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lkcnn.deploy.quantize import FORMATS, QuantConv2d, QuantizeError, QuantLinear
+from lkcnn.deploy.quantize import QuantConv2d, QuantizeError, QuantLinear
 from lkcnn.ops.qdq import quantize_values
 
 CHANNEL_MULTIPLE = {"int8": 8, "fp8": 16}  # torch._int_mm / torch._scaled_mm on CUDA
@@ -44,7 +44,6 @@ class Gemm8(nn.Module):
         super().__init__()
         self.precision = layer.precision
         self.conv = isinstance(layer, QuantConv2d)
-        self.qdtype = FORMATS[layer.precision].torch_dtype
         self.register_buffer("weight", layer.weight.reshape(layer.weight.shape[0], -1).contiguous())
         self.register_buffer("weight_scale", layer.weight_scale.clone())
         self.register_buffer("input_scale", layer.input_scale.clone())

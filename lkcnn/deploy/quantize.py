@@ -48,7 +48,8 @@ from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObser
 
 from lkcnn.layers import LargeKernelConv
 from lkcnn.ops import dwconv2d
-from lkcnn.ops.qdq import DTYPE_NAMES, dequantize_linear, fake_quantize, quantize_linear, quantize_values
+from lkcnn.ops.qdq import (DTYPE_NAMES, dequantize_linear, dequantize_values, fake_quantize, quantize_linear,
+                           quantize_values)
 
 OBSERVERS = ("minmax", "percentile", "mse")
 DEFAULT_PERCENTILE = 99.99
@@ -204,13 +205,12 @@ class _QuantLayer(nn.Module):
     def _inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.fusable:  # the registered ops' arithmetic, which torch.compile fuses into the neighbouring kernels,
             # where each registered op (opaque to it, but what ONNX export needs) is a pass of its own over the tensor
-            q = quantize_values(x, self.input_scale, DTYPE_NAMES[self.qdtype])
-            xq = (q.float() * self.input_scale).to(x.dtype)
-            w = (self.weight.float() * self.weight_scale.view(-1, *[1] * (self.weight.dim() - 1))).to(x.dtype)
-            return xq, w, None if self.bias is None else self.bias.to(x.dtype)
-        xq = fake_quantize(x, self.input_scale, self.qdtype).to(x.dtype)
-        w = dequantize_linear(self.weight, self.weight_scale, 0).to(x.dtype)
-        return xq, w, None if self.bias is None else self.bias.to(x.dtype)
+            xq = dequantize_values(quantize_values(x, self.input_scale, DTYPE_NAMES[self.qdtype]), self.input_scale)
+            w = dequantize_values(self.weight, self.weight_scale, 0)
+        else:
+            xq = fake_quantize(x, self.input_scale, self.qdtype)
+            w = dequantize_linear(self.weight, self.weight_scale, 0)
+        return xq.to(x.dtype), w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.precision}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}"

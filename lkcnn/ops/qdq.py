@@ -56,6 +56,11 @@ def _(x: Tensor, scale: Tensor, dtype: str, axis: int = 1) -> Tensor:
 @torch.library.custom_op("lkcnn::dequantize_linear", mutates_args=())
 def dequantize_linear(q: Tensor, scale: Tensor, axis: int = 1) -> Tensor:
     """ONNX DequantizeLinear, zero point 0: `q * scale` in float32 (scale per tensor, or per channel of `axis`)."""
+    return dequantize_values(q, scale, axis)
+
+
+def dequantize_values(q: Tensor, scale: Tensor, axis: int = 1) -> Tensor:
+    """DequantizeLinear's arithmetic in plain torch ops (see `quantize_values`)."""
     return q.float() * _broadcast(scale, q.dim(), axis)
 
 

@@ -18,11 +18,15 @@ from timm.data import auto_augment
 POSTERIZE_OPS = ("Posterize", "PosterizeIncreasing", "PosterizeOriginal")
 
 
+def kept_bits(bits_to_keep: float) -> int:
+    """The bits `posterize` keeps: timm's argument clamped to Pillow's 1..8 (8: the image unchanged)."""
+    return min(8, max(1, int(bits_to_keep)))
+
+
 def posterize(img: Image.Image, bits_to_keep: int, **_: Any) -> Image.Image:
-    """timm's posterize op with `bits_to_keep` clamped to Pillow's 1..8 (8 and more: the image unchanged)."""
-    if bits_to_keep >= 8:
-        return img
-    return ImageOps.posterize(img, max(1, int(bits_to_keep)))
+    """timm's posterize op with `kept_bits` (8 and more: the image unchanged)."""
+    bits = kept_bits(bits_to_keep)
+    return img if bits == 8 else ImageOps.posterize(img, bits)
 
 
 def register_safe_ops() -> None:

@@ -70,8 +70,8 @@ AUTOCONTRAST, EQUALIZE = 1.0, 2.0  # lookup kinds whose tables depend on the ima
 
 
 def _posterize(bits: float) -> tuple[float, ...]:
-    # augment.posterize's rule: at least 1 bit, 8 and more the image unchanged; v & ~(q - 1) is v - v mod q
-    return 2.0 ** (8 - min(max(bits, 1), 8)), 0, 0, 0, 0, 0
+    # v & ~(q - 1) is v - v mod q
+    return 2.0 ** (8 - augment.kept_bits(bits)), 0, 0, 0, 0, 0
 
 
 PIXEL_OPS: dict[Callable, tuple[str, Callable[..., tuple[float, ...]]]] = {
