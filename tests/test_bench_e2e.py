@@ -12,6 +12,9 @@ from lkcnn.bench.profile import OTHER, category
 # kernel names as torch.profiler reports them in a compiled RepLKNet-31B step on an H100
 NAMES = {
     "void lkcnn::(anonymous namespace)::dwconv_fwd_tc_kernel<__nv_bfloat16, 31, 4>(Params)": "lkcnn large-kernel conv",
+    # the small-branch kernels as demangled from csrc/dwconv/dwconv_branches.cu's anonymous namespace
+    "void lkcnn::(anonymous namespace)::branches_conv_kernel<c10::BFloat16, false>(...)": "lkcnn small-branch conv",
+    "void lkcnn::(anonymous namespace)::branches_wgrad_kernel<c10::BFloat16>(...)": "lkcnn small-branch conv",
     "void lkcnn::(anonymous namespace)::transpose_kernel<__nv_bfloat16, 8>(...)": "lkcnn layout copies",
     "void conv2d_c1_k1_nhwc_kernel<__nv_bfloat16, 5, 5>(...)": "cuDNN depthwise conv",
     "void wgrad2d_c1_k1_nhwc_kernel<float, 5>(...)": "cuDNN depthwise conv",

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -86,6 +87,18 @@ void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at:
 // copy of other strides; and dst = src (NCHW-contiguous) whatever dst's layout.
 at::Tensor to_nchw(const at::Tensor& t);
 void copy_from_nchw(at::Tensor& dst, const at::Tensor& src);
+
+// Several small depthwise convolutions (branch b: ks[b] x ks[b] taps, dilation rs[b], 'same' padding) of one
+// channels_last x (dwconv_branches.cu). w: the branches' kernels as one (taps, C) table in x's dtype, branch after branch,
+// each row-major. The forward writes ys[b]; the input gradient writes dx, the sum over the branches; the weight
+// gradient returns the fp32 (taps, C) table. Every tensor channels_last and of x's shape and dtype.
+bool branches_supported(const at::Tensor& x, const std::vector<int64_t>& ks, const std::vector<int64_t>& rs);
+void branches_fwd(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& ks,
+                  const std::vector<int64_t>& rs, const std::vector<at::Tensor>& ys);
+void branches_bwd_input(const std::vector<at::Tensor>& dys, const at::Tensor& w, const std::vector<int64_t>& ks,
+                        const std::vector<int64_t>& rs, const at::Tensor& dx);
+at::Tensor branches_wgrad(const std::vector<at::Tensor>& dys, const at::Tensor& x, const std::vector<int64_t>& ks,
+                          const std::vector<int64_t>& rs);
 
 // Whether the weight-gradient tile for maps of width W fits in shared memory (the forward always fits for k <= 63).
 bool wgrad_supported(int64_t W, int64_t kh, int64_t kw);

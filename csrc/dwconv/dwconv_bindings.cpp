@@ -162,6 +162,15 @@ void bind_dwconv(pybind11::module_& m) {
         "itself when it is NCHW already)", py::arg("t"));
   m.def("supported", &lkcnn::wgrad_supported, "whether maps of width W with a kh x kw kernel fit the kernels' tiles",
         py::arg("W"), py::arg("kh"), py::arg("kw"));
+  m.def("branches_supported", &lkcnn::branches_supported, "whether dwconv_branches.cu's kernels take x "
+        "(channels_last, C a multiple of 16 bytes) with branches of ks x ks taps at dilations rs", py::arg("x"),
+        py::arg("ks"), py::arg("rs"));
+  m.def("branches_fwd", &lkcnn::branches_fwd, "every branch's output of x, written into ys", py::arg("x"),
+        py::arg("w"), py::arg("ks"), py::arg("rs"), py::arg("ys"));
+  m.def("branches_bwd_input", &lkcnn::branches_bwd_input, "the input gradient summed over the branches, written "
+        "into dx", py::arg("grad_outs"), py::arg("w"), py::arg("ks"), py::arg("rs"), py::arg("dx"));
+  m.def("branches_wgrad", &lkcnn::branches_wgrad, "every branch's weight gradient as one fp32 (taps, C) table",
+        py::arg("grad_outs"), py::arg("x"), py::arg("ks"), py::arg("rs"));
   m.def("path", &lkcnn::path_name, "which kernels run the forward (or the weight gradient) of x (N, C, H, W) with a "
         "kh x kw kernel: 'map_tc' (whole-map tensor-core), 'small' (whole-map FMA), 'strip' or 'tiled'", py::arg("x"),
         py::arg("kh"), py::arg("kw"), py::arg("forward") = true);

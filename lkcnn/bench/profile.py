@@ -52,6 +52,7 @@ def profile_kernels(fn, calls: int) -> list:
 # namespace lkcnn: `dwconv_*` and the layout `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`; the 8-bit
 # GEMMs name their operand types: cuBLASLt's `i8i32` / `s8`, CUTLASS's `float_e4m3_t`, inductor's `_int_mm` template).
 CATEGORIES = (
+    ("lkcnn small-branch conv", ("branches_conv_kernel", "branches_wgrad_kernel")),  # before dwconv_: the file name
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),

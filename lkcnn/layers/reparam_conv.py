@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from lkcnn.ops import dwconv2d_branches
+
 from .conv_bn import conv_bn, lk_conv_bn
 from .fuse import merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
@@ -75,9 +77,14 @@ class ReparamLargeKernelConv(nn.Module):
         if self.deploy:
             return self.lkb_reparam(x)
         out = self.lkb_origin(x)
-        if self.small_conv is not None:
-            out = out + self.small_conv(x)
-        for branch in self.dilated.values():
+        small = self.branches()[1:]
+        if small and all(b.conv.kernel_size[0] == b.conv.kernel_size[1] for b in small):
+            # the small and dilated branches in one call: one pass over x on a GPU (lkcnn.ops.dwconv2d_branches)
+            ys = dwconv2d_branches(x, [b.conv.weight for b in small], [b.conv.dilation[0] for b in small])
+            for branch, y in zip(small, ys):
+                out = out + branch.bn(y)
+            return out
+        for branch in small:
             out = out + branch(x)
         return out
 

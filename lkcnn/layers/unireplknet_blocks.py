@@ -2,8 +2,9 @@
 module names, so official state dicts load by key: the Dilated Reparam Block (a large depthwise conv plus parallel
 dilated depthwise branches, each with a BatchNorm), squeeze-and-excitation and GRN.
 
-The large kernel and the dilated branches run through lkcnn's `dwconv2d` op (a dilated k x k branch with dilation r
-is the same conv as a dense, sparse ((k-1)r+1)^2 kernel), so they get lkcnn's CUDA kernels on a GPU.
+The large kernel runs through lkcnn's `dwconv2d` op; the dilated branches all run through one `dwconv2d_branches`
+call (on a GPU, one pass over x for every branch's output, one for the summed input gradient, one for every
+branch's weight gradient), each branch keeping its own BatchNorm.
 """
 from __future__ import annotations
 
@@ -11,21 +12,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lkcnn.ops import dwconv2d
+from lkcnn.ops import dwconv2d_branches
 
-from .fuse import dilate_kernel, merge_branches
+from .fuse import merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
 from .reparam_conv import resolve_dilated_branches
 
 
 class DilatedDWConv(LargeKernelConv):
-    """Depthwise 'same' conv with dilation r; state (weight (C,1,k,k)) is nn.Conv2d's, like the official branch.
-
-    On a CUDA device it calls `dwconv2d` with the dilated kernel expanded to its dense ((k-1)r+1)^2 form (lkcnn's
-    kernels take dense kernels). Elsewhere `dwconv2d` would run PyTorch's convolution anyway, so the branch runs as
-    PyTorch's dilated convolution directly: the same function without multiplying the zeros between taps (and
-    FlopCounterMode then counts the true k^2 taps).
-    """
+    """Depthwise 'same' conv with dilation r; state (weight (C,1,k,k)) is nn.Conv2d's, like the official branch. It
+    runs through `dwconv2d_branches` (lkcnn's kernels on a channels_last GPU input, PyTorch's dilated conv elsewhere),
+    which multiplies only the k x k taps."""
 
     def __init__(self, channels: int, kernel_size: int, dilation: int = 1, bias: bool = False,
                  device=None, dtype=None) -> None:
@@ -34,14 +31,9 @@ class DilatedDWConv(LargeKernelConv):
                          device=device, dtype=dtype)
         self.dilation = (dilation, dilation)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The (C,1,(k-1)r+1,(k-1)r+1) kernel with zeros between the taps: what lkcnn's op runs."""
-        return dilate_kernel(self.weight, self.dilation[0])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dilation == (1, 1) or x.is_cuda:
-            return dwconv2d(x, self.dense_weight(), self.bias, self.padding)
-        return F.conv2d(x, self.weight, self.bias, padding=self.padding, dilation=self.dilation, groups=self.groups)
+        y = dwconv2d_branches(x, [self.weight], [self.dilation[0]])[0]
+        return y if self.bias is None else y + self.bias.view(-1, 1, 1).to(y.dtype)
 
 
 class DilatedReparamBlock(nn.Module):
@@ -70,8 +62,10 @@ class DilatedReparamBlock(nn.Module):
         if self.deploy:
             return self.lk_origin(x)
         out = self.origin_bn(self.lk_origin(x))
-        for k, r in self.branches:
-            out = out + getattr(self, f"dil_bn_k{k}_{r}")(getattr(self, f"dil_conv_k{k}_{r}")(x))
+        convs = [getattr(self, f"dil_conv_k{k}_{r}") for k, r in self.branches]
+        ys = dwconv2d_branches(x, [conv.weight for conv in convs], [r for _, r in self.branches])
+        for (k, r), y in zip(self.branches, ys):
+            out = out + getattr(self, f"dil_bn_k{k}_{r}")(y)
         return out
 
     @torch.no_grad()

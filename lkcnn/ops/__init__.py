@@ -5,6 +5,8 @@
 copies in channels_last training: `dwconv2d_fwd_keep` (the output and the NCHW copy of x, saved for the weight
 gradient) and `dwconv2d_bwd` (both gradients from one call). Which implementation runs (lkcnn's CUDA kernels or
 PyTorch's convolution) is `set_conv_impl` / `use_conv_impl`'s choice, LKCNN_CONV_IMPL the user's default.
+`dwconv2d_branches(x, weights, dilations)` runs several small (dilated) depthwise convolutions of one input, the
+small branches of the re-parameterizable blocks, in one pass per direction.
 """
 from .build import BuildError
 from .dwconv import (
@@ -16,6 +18,7 @@ from .dwconv import (
     set_conv_impl,
     use_conv_impl,
 )
+from .dwconv_branches import dwconv2d_branches
 
-__all__ = ["BuildError", "conv_impl", "conv_impl_from_env", "cuda_unsupported_reason", "dwconv2d", "implementation",
-           "set_conv_impl", "use_conv_impl"]
+__all__ = ["BuildError", "conv_impl", "conv_impl_from_env", "cuda_unsupported_reason", "dwconv2d", "dwconv2d_branches",
+           "implementation", "set_conv_impl", "use_conv_impl"]

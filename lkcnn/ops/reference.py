@@ -6,20 +6,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def forward(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Tensor:
-    return F.conv2d(x, weight, bias, 1, padding, 1, x.shape[1])
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int], dilation: int = 1) -> Tensor:
+    return F.conv2d(x, weight, bias, 1, padding, dilation, x.shape[1])
 
 
-def grad_input(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
-    return torch.nn.grad.conv2d_input(grad_out.shape, weight, grad_out, 1, padding, 1, weight.shape[0])
+def grad_input(grad_out: Tensor, weight: Tensor, padding: list[int], dilation: int = 1) -> Tensor:
+    return torch.nn.grad.conv2d_input(grad_out.shape, weight, grad_out, 1, padding, dilation, weight.shape[0])
 
 
-def grad_weight(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -> Tensor:
+def grad_weight(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int], dilation: int = 1) -> Tensor:
     n, c, h, w = x.shape
     if x.device.type == "cpu":
         # torch 2.14's CPU convolution_backward segfaults on single-channel inputs with kernels taller than the map
         # (e.g. 1x17x8 with 51x5). On the CPU compute the same sum as a grouped forward convolution of each (n, c)
-        # plane of x with the matching plane of grad_out, then sum over the batch.
+        # plane of x with the matching plane of grad_out (every offset the kernel's span covers; a dilated kernel's
+        # taps are every dilation-th), then sum over the batch.
         planes = F.conv2d(x.reshape(1, n * c, h, w), grad_out.reshape(n * c, 1, h, w), None, 1, padding, 1, n * c)
+        planes = planes[..., ::dilation, ::dilation]
         return planes.reshape(n, c, *planes.shape[-2:]).sum(0).unsqueeze(1)
-    return torch.nn.grad.conv2d_weight(x, (c, 1, *kernel_size), grad_out, 1, padding, 1, c)
+    return torch.nn.grad.conv2d_weight(x, (c, 1, *kernel_size), grad_out, 1, padding, dilation, c)

@@ -14,7 +14,7 @@ from pathlib import Path
 SOURCES = ("extension.cpp",
            "dwconv/dwconv_bindings.cpp", "dwconv/dwconv_fwd.cu", "dwconv/dwconv_wgrad.cu", "dwconv/dwconv_fwd_tc.cu",
            "dwconv/dwconv_wgrad_tc.cu", "dwconv/dwconv_small.cu", "dwconv/dwconv_map_tc.cu",
-           "dwconv/dwconv_fwd_strip.cu", "dwconv/layout.cu",
+           "dwconv/dwconv_fwd_strip.cu", "dwconv/dwconv_branches.cu", "dwconv/layout.cu",
            "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu")
 HEADER_SUFFIXES = (".h", ".cuh")
 CXX_FLAGS = ("-O3",)
