@@ -30,8 +30,9 @@ COMPILE_MODE = "reduce-overhead"  # the training app's module.compile=auto on a 
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
 VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "cuda": ("lkcnn kernels, every depthwise conv", "cuda", {}),
-    # the default dispatch: large kernels on lkcnn, small ones (under AUTO_MIN_KERNEL) on cuDNN
-    "auto": ("lkcnn 'auto' (small kernels on cuDNN)", "auto", {}),
+    # the default dispatch: large kernels and the blocks' small branches (channels_last) on lkcnn's kernels, other
+    # kernels under AUTO_MIN_KERNEL on cuDNN
+    "auto": ("lkcnn 'auto' (default dispatch)", "auto", {}),
     "torch": ("PyTorch conv", "torch", {}),
     "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", SMALL),
     "torch3": ("PyTorch conv, 3x3, no small branch", "torch", SMALL),
