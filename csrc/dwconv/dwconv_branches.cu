@@ -89,7 +89,7 @@ template <> __device__ __nv_bfloat162 Vec16<__nv_bfloat162, at::BFloat16>::from2
 template <> struct Vec<at::Half> : Vec16<__half2, at::Half> {};
 template <> struct Vec<at::BFloat16> : Vec16<__nv_bfloat162, at::BFloat16> {};
 
-constexpr int kMaxBranches = 8;
+constexpr int kMaxBranches = 8;  // pointer slots; the weight gradient passes x in the last, so 7 branches at most
 struct Branches {
   int count;
   int code[kMaxBranches];  // shape_code(k, r)
@@ -305,9 +305,9 @@ void check_input(const at::Tensor& t, const at::Tensor& ref, const char* what) {
               what, ": every tensor must be a channels_last CUDA tensor of x's shape, dtype and device");
 }
 
-Branches make_branches(const std::vector<int64_t>& ks, const std::vector<int64_t>& rs, int64_t taps_total) {
-  TORCH_CHECK(!ks.empty() && ks.size() == rs.size() && int(ks.size()) <= kMaxBranches,
-              "lkcnn dwconv2d_branches: 1 to ", kMaxBranches, " branches, one dilation each");
+Branches make_branches(const std::vector<int64_t>& ks, const std::vector<int64_t>& rs) {
+  TORCH_CHECK(!ks.empty() && ks.size() == rs.size() && int(ks.size()) < kMaxBranches,
+              "lkcnn dwconv2d_branches: 1 to ", kMaxBranches - 1, " branches, one dilation each");
   Branches br{};
   br.count = int(ks.size());
   int tap = 0;
@@ -318,8 +318,6 @@ Branches make_branches(const std::vector<int64_t>& ks, const std::vector<int64_t
     br.tap0[b] = tap;
     tap += int(ks[b] * ks[b]);
   }
-  TORCH_CHECK(tap == taps_total, "lkcnn dwconv2d_branches: the weight table has ", taps_total, " taps, the branches ",
-              tap);
   return br;
 }
 
@@ -347,7 +345,7 @@ void launch_wgrad(const std::vector<at::Tensor>& dys, const at::Tensor& x, at::T
                   const std::vector<int64_t>& ks, const Geom& g) {
   Ptrs<T> p{};
   for (size_t b = 0; b < dys.size(); ++b) p.src[b] = dys[b].const_data_ptr<T>();
-  p.src[kMaxBranches - 1] = x.const_data_ptr<T>();
+  p.src[kMaxBranches - 1] = x.const_data_ptr<T>();  // the last slot: at most kMaxBranches - 1 branches
   RowTable rt{};
   int rows = 0;
   for (int b = 0; b < br.count; ++b)
@@ -384,7 +382,7 @@ bool branches_supported(const at::Tensor& x, const std::vector<int64_t>& ks, con
   if (!x.is_cuda() || x.dim() != 4 || (t != at::kFloat && t != at::kHalf && t != at::kBFloat16)) return false;
   if (!x.is_contiguous(at::MemoryFormat::ChannelsLast) || x.size(1) % vec_for(t) != 0) return false;
   if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return false;
-  if (ks.empty() || ks.size() != rs.size() || ks.size() > size_t(kMaxBranches)) return false;
+  if (ks.empty() || ks.size() != rs.size() || ks.size() >= size_t(kMaxBranches)) return false;
   int64_t rows = 0;
   for (size_t b = 0; b < ks.size(); ++b) {
     if (shape_code(int(ks[b]), int(rs[b])) < 0) return false;
@@ -393,44 +391,47 @@ bool branches_supported(const at::Tensor& x, const std::vector<int64_t>& ks, con
   return rows <= 64;
 }
 
+namespace {
+
+// Every entry point's checks: ref (x, or dx) is supported, one tensor per branch of its shape, dtype and layout, and
+// the weight table where one is given (nullptr for the weight gradient). Returns the branch table.
+Branches checked(const at::Tensor& ref, const std::vector<at::Tensor>& per_branch, const at::Tensor* w,
+                 const std::vector<int64_t>& ks, const std::vector<int64_t>& rs, const char* what) {
+  TORCH_CHECK(per_branch.size() == ks.size(), what, ": one tensor per branch");
+  TORCH_CHECK(branches_supported(ref, ks, rs), what, ": unsupported input or branches");
+  for (const auto& t : per_branch) check_input(t, ref, what);
+  int64_t taps = 0;
+  for (auto k : ks) taps += k * k;
+  TORCH_CHECK(w == nullptr || (w->is_cuda() && w->scalar_type() == ref.scalar_type() && w->is_contiguous() &&
+                               w->dim() == 2 && w->size(0) == taps && w->size(1) == ref.size(1)),
+              what, ": the weights must be a (taps, C) table in x's dtype");
+  return make_branches(ks, rs);
+}
+
+}  // namespace
+
 void branches_fwd(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& ks,
                   const std::vector<int64_t>& rs, const std::vector<at::Tensor>& ys) {
-  TORCH_CHECK(branches_supported(x, ks, rs), "lkcnn dwconv2d_branches forward: unsupported input or branches");
-  TORCH_CHECK(ys.size() == ks.size(), "lkcnn dwconv2d_branches forward: one output per branch");
-  for (const auto& y : ys) check_input(y, x, "lkcnn dwconv2d_branches forward");
-  TORCH_CHECK(w.is_cuda() && w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 &&
-                  w.size(1) == x.size(1), "lkcnn dwconv2d_branches: the weights must be a (taps, C) table in x's dtype");
+  const Branches br = checked(x, ys, &w, ks, rs, "lkcnn dwconv2d_branches forward");
   const c10::cuda::CUDAGuard guard(x.device());
-  const Branches br = make_branches(ks, rs, w.size(0));
-  const Geom g = make_geom_nhwc(x);
-  dispatch(x.scalar_type(), [&](auto tag) { launch_conv<decltype(tag), false>({x}, ys, w, br, g); });
+  dispatch(x.scalar_type(), [&](auto tag) { launch_conv<decltype(tag), false>({x}, ys, w, br, make_geom_nhwc(x)); });
 }
 
 void branches_bwd_input(const std::vector<at::Tensor>& dys, const at::Tensor& w, const std::vector<int64_t>& ks,
                         const std::vector<int64_t>& rs, const at::Tensor& dx) {
-  TORCH_CHECK(dys.size() == ks.size(), "lkcnn dwconv2d_branches input gradient: one grad_out per branch");
-  TORCH_CHECK(branches_supported(dx, ks, rs), "lkcnn dwconv2d_branches input gradient: unsupported input or branches");
-  for (const auto& d : dys) check_input(d, dx, "lkcnn dwconv2d_branches input gradient");
-  TORCH_CHECK(w.is_cuda() && w.scalar_type() == dx.scalar_type() && w.is_contiguous() && w.dim() == 2 &&
-                  w.size(1) == dx.size(1), "lkcnn dwconv2d_branches: the weights must be a (taps, C) table in x's dtype");
+  const Branches br = checked(dx, dys, &w, ks, rs, "lkcnn dwconv2d_branches input gradient");
   const c10::cuda::CUDAGuard guard(dx.device());
-  const Branches br = make_branches(ks, rs, w.size(0));
-  const Geom g = make_geom_nhwc(dx);
-  dispatch(dx.scalar_type(), [&](auto tag) { launch_conv<decltype(tag), true>(dys, {dx}, w, br, g); });
+  dispatch(dx.scalar_type(), [&](auto tag) { launch_conv<decltype(tag), true>(dys, {dx}, w, br, make_geom_nhwc(dx)); });
 }
 
 at::Tensor branches_wgrad(const std::vector<at::Tensor>& dys, const at::Tensor& x, const std::vector<int64_t>& ks,
                           const std::vector<int64_t>& rs) {
-  TORCH_CHECK(dys.size() == ks.size(), "lkcnn dwconv2d_branches weight gradient: one grad_out per branch");
-  TORCH_CHECK(branches_supported(x, ks, rs), "lkcnn dwconv2d_branches weight gradient: unsupported input or branches");
-  for (const auto& d : dys) check_input(d, x, "lkcnn dwconv2d_branches weight gradient");
+  const Branches br = checked(x, dys, nullptr, ks, rs, "lkcnn dwconv2d_branches weight gradient");
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t taps = 0;
   for (auto k : ks) taps += k * k;
   at::Tensor dw = at::zeros({taps, x.size(1)}, x.options().dtype(at::kFloat));
-  const Branches br = make_branches(ks, rs, taps);
-  const Geom g = make_geom_nhwc(x);
-  dispatch(x.scalar_type(), [&](auto tag) { launch_wgrad<decltype(tag)>(dys, x, dw, br, ks, g); });
+  dispatch(x.scalar_type(), [&](auto tag) { launch_wgrad<decltype(tag)>(dys, x, dw, br, ks, make_geom_nhwc(x)); });
   return dw;
 }
 
