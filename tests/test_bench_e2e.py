@@ -65,3 +65,20 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch):
     assert "0.75x" in text and "0.80x" in text and "compiled (reduce-overhead), channels_last, NVIDIA H100" in text
     optimizer = next(line for line in text.splitlines() if line.startswith("optimizer"))
     assert optimizer.split()[1:] == ["1.00", "-", "1.00"]  # the 3x3 twin's report has no optimizer kernel
+
+
+def test_the_cudnn_small_branch_variant_turns_only_the_branch_kernels_off(monkeypatch):
+    """`--runs auto,auto_cudnn_small` is the branch kernels' A/B: the same conv policy, the branch kernels off."""
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    monkeypatch.setattr(e2e, "set_conv_impl", lambda impl: calls.append(("conv", impl)))
+    monkeypatch.setattr(e2e, "set_branch_kernels", lambda on: calls.append(("branches", on)))
+    monkeypatch.setattr(e2e.timm, "create_model", lambda *a, **k: (_ for _ in ()).throw(Built()))
+    jobs = e2e.jobs(["replknet31b"], ["auto", "auto_cudnn_small"])
+    for model, impl, kwargs in jobs.values():
+        with pytest.raises(Built):
+            e2e.setup(model, impl, batch=2, channels_last=True, compile=None, **kwargs)
+    assert calls == [("conv", "auto"), ("branches", True), ("conv", "auto"), ("branches", False)]

@@ -24,7 +24,7 @@ from lkcnn import timing
 from lkcnn.bench.profile import by_category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
-from lkcnn.ops import set_conv_impl
+from lkcnn.ops import set_branch_kernels, set_conv_impl
 
 COMPILE_MODE = "reduce-overhead"  # the training app's module.compile=auto on a GPU
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
@@ -33,11 +33,13 @@ VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     # the default dispatch: large kernels and the blocks' small branches (channels_last) on lkcnn's kernels, other
     # kernels under AUTO_MIN_KERNEL on cuDNN
     "auto": ("lkcnn 'auto' (default dispatch)", "auto", {}),
+    # the same with the blocks' small branches on cuDNN (one nn.Conv2d each): the branch kernels' A/B
+    "auto_cudnn_small": ("lkcnn 'auto', small branches on cuDNN", "auto:no_branch_kernels", {}),
     "torch": ("PyTorch conv", "torch", {}),
     "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", SMALL),
     "torch3": ("PyTorch conv, 3x3, no small branch", "torch", SMALL),
 }
-Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation, model keywords)
+Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation[:no_branch_kernels], model keywords)
 
 
 # ----------------------------------------------------------------------------------------------- one variant
@@ -47,7 +49,9 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     torch.compile mode ("default" for torch's) or None for eager. With cuda_graph, the whole step (forward, backward,
     optimizer) is captured once and each step replays it: no host time per step, so the GPU's own time per step is
     what is measured."""
-    set_conv_impl(impl)
+    conv, _, branches = impl.partition(":")
+    set_conv_impl(conv)
+    set_branch_kernels(branches != "no_branch_kernels")
     model = timm.create_model(name, **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

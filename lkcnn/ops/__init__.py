@@ -18,7 +18,7 @@ from .dwconv import (
     set_conv_impl,
     use_conv_impl,
 )
-from .dwconv_branches import dwconv2d_branches
+from .dwconv_branches import dwconv2d_branches, set_branch_kernels
 
 __all__ = ["BuildError", "conv_impl", "conv_impl_from_env", "cuda_unsupported_reason", "dwconv2d", "dwconv2d_branches",
-           "implementation", "set_conv_impl", "use_conv_impl"]
+           "implementation", "set_branch_kernels", "set_conv_impl", "use_conv_impl"]

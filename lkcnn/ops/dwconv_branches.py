@@ -18,6 +18,15 @@ from . import build, reference
 from .dwconv import _laid_out_as, _memory_format, _new_like, conv_impl
 
 MAX_BRANCHES = 8
+_kernels_enabled = True
+
+
+def set_branch_kernels(enabled: bool) -> None:
+    """Whether the small branches may run on lkcnn's branch kernels (the default) or always take PyTorch's
+    convolution per branch, whatever the conv policy: an A/B of the branch kernels alone (`python -m lkcnn.bench e2e
+    --runs auto,auto_cudnn_small`). Read at every call, in a compiled graph too."""
+    global _kernels_enabled
+    _kernels_enabled = bool(enabled)
 
 
 def _kernel_sizes(weights: list[Tensor]) -> list[int]:
@@ -26,7 +35,7 @@ def _kernel_sizes(weights: list[Tensor]) -> list[int]:
 
 def uses_kernels(x: Tensor, kernel_sizes: list[int], dilations: list[int]) -> bool:
     """Whether a call with these arguments runs lkcnn's branch kernels (else PyTorch's convolution per branch)."""
-    if conv_impl() == "torch" or not x.is_cuda:
+    if not _kernels_enabled or conv_impl() == "torch" or not x.is_cuda:
         return False
     try:
         module = build.load()
