@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension (cold and warm times), compile report (registers, spills),
-# GPU tests, benchmark. Logs go to $OUT; the short summary prints last.
+# GPU tests, benchmark (the large kernels, then the small branches). Logs go to $OUT; the short summary prints last.
 # Usage, from the repo root on a GPU machine:  bash scripts/gpu_check.sh [--tests-only|--bench-only] [bench args...]
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -29,10 +29,13 @@ fi
 wait $ptxas_pid  # the compile report competes for the CPU, and small shapes' timings include host time
 if [ "$mode" != tests ]; then
   $PY -m lkcnn.bench "$@" --json "$OUT/bench.json" --plot "$OUT/bench.png" >"$OUT/bench.log" 2>&1; brc=$?
+  $PY -m lkcnn.bench branches --json "$OUT/branches.json" >"$OUT/branches.log" 2>&1 || brc=$?  # bf16, ~1 minute
 fi
 
 echo "== device: $(tail -1 "$OUT/gpu.txt")"
 echo "== build: first $(( (t1 - t0) / 1000000 )) ms, warm load in a new process $(( (t2 - t1) / 1000000 )) ms"
 echo "== ptxas:"; grep -E "registers|spill|error" "$OUT/ptxas.log" | sort | uniq -c | head -12
 if [ "$trc" != skipped ]; then echo "== gpu tests (rc=$trc):"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25; fi
-if [ "$brc" != skipped ]; then echo "== bench (rc=$brc):"; tail -45 "$OUT/bench.log"; fi
+if [ "$brc" != skipped ]; then
+  echo "== bench (rc=$brc):"; tail -45 "$OUT/bench.log"; echo "== small branches:"; tail -9 "$OUT/branches.log"
+fi
