@@ -1,12 +1,12 @@
-"""The registered op `torch.ops.lkcnn.dwconv2d_branches` (+ its backward ops) and the public `dwconv2d_branches`:
+"""The registered op `torch.ops.lkcnn.dwconv2d_branches_fwd` (+ its backward ops) and the public `dwconv2d_branches`:
 several small depthwise convolutions of one input (branch b: a k_b x k_b kernel at dilation r_b, 'same' padding),
 the parallel small branches of a re-parameterizable block (RepLKNet's 5x5, UniRepLKNet's dilated branches).
 
 On a GPU, a channels_last input runs on lkcnn's NHWC kernels (csrc/dwconv/dwconv_branches.cu): one launch reads x
 once and writes every branch's output, one writes the input gradient summed over the branches, one computes every
 branch's weight gradient. Where those kernels do not apply (the CPU, an NCHW input, channels not a multiple of 16
-bytes, a (k, r) without a kernel) each branch runs PyTorch's convolution, as `nn.Conv2d` would; so does every call
-under `set_conv_impl('torch')`. Either way each pass is one registered op, so torch.compile keeps one graph.
+bytes, a (k, r) without a kernel, more than 7 branches) each branch runs PyTorch's convolution, as `nn.Conv2d` would;
+so does every call under `set_conv_impl('torch')` or `set_branch_kernels(False)`. Either way each pass is one registered op, so torch.compile keeps one graph.
 """
 from __future__ import annotations
 
