@@ -296,7 +296,6 @@ __global__ void __launch_bounds__(kThreads, 2) branches_wgrad_kernel(Ptrs<T> p, 
 #undef LKCNN_CASE
 }
 
-template <typename T> constexpr int vec_of() { return Vec<T>::n; }
 int vec_for(at::ScalarType t) { return t == at::kFloat ? 4 : 8; }
 
 void check_input(const at::Tensor& t, const at::Tensor& ref, const char* what) {
@@ -331,7 +330,7 @@ void launch_conv(const std::vector<at::Tensor>& src, const std::vector<at::Tenso
   Ptrs<T> p{};
   for (size_t b = 0; b < src.size(); ++b) p.src[b] = src[b].const_data_ptr<T>();
   for (size_t b = 0; b < dst.size(); ++b) p.dst[b] = dst[b].mutable_data_ptr<T>();
-  const int64_t items = int64_t(g.N) * g.H * g.strips * (g.C / vec_of<T>());
+  const int64_t items = int64_t(g.N) * g.H * g.strips * (g.C / Vec<T>::n);
   const int64_t blocks = (items + kThreads - 1) / kThreads;
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d_branches: the tensor is too large for one launch");
   if (blocks == 0) return;
@@ -354,7 +353,7 @@ void launch_wgrad(const std::vector<at::Tensor>& dys, const at::Tensor& x, at::T
       rt.branch[rows] = b;
       rt.row[rows] = i;
     }
-  const int groups = g.C / vec_of<T>();
+  const int groups = g.C / Vec<T>::n;
   const int groups_in_block = std::min(groups, kThreads), slots = kThreads / groups_in_block;
   const int channel_blocks = ceil_div(groups, groups_in_block);
   // About 8 strips per thread: enough work to amortize the block's reduction, enough blocks to fill the GPU.

@@ -78,14 +78,15 @@ class ReparamLargeKernelConv(nn.Module):
             return self.lkb_reparam(x)
         out = self.lkb_origin(x)
         small = self.branches()[1:]
-        if small and all(b.conv.kernel_size[0] == b.conv.kernel_size[1] for b in small):
+        if not small:
+            return out
+        if all(b.conv.kernel_size[0] == b.conv.kernel_size[1] for b in small):
             # the small and dilated branches in one call: one pass over x on a GPU (lkcnn.ops.dwconv2d_branches)
             ys = dwconv2d_branches(x, [b.conv.weight for b in small], [b.conv.dilation[0] for b in small])
-            for branch, y in zip(small, ys):
-                out = out + branch.bn(y)
-            return out
-        for branch in small:
-            out = out + branch(x)
+        else:  # a rectangular small kernel: the op takes square ones
+            ys = [b.conv(x) for b in small]
+        for branch, y in zip(small, ys):
+            out = out + branch.bn(y)
         return out
 
     def branches(self) -> list[nn.Sequential]:
