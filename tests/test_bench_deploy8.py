@@ -31,9 +31,18 @@ def test_cpu_dry_run_prints_the_table_and_writes_the_record(tmp_path, capsys):
         assert row["ratio_to_bf16"] == pytest.approx(row["images_per_s"] / rows[("bf16", 4)]["images_per_s"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; on a GPU the command compiles RepLKNet")
+def test_variants_select_the_rows_and_bf16_stays(capsys):
+    deploy8.main(["--model", "replknet_tiny", "--size", "32", "--batch", "2", "--steps", "1", "--warmup", "1",
+                  "--calib-batches", "1", "--variants", "fp8"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out[2:]] == [["bf16", "2"], ["fp8", "2"]]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "nosuchnet"], "--model: 'nosuchnet' is not a timm model name"),
     (["--batch", "0"], "--batch, --steps, --calib-batches and --calib-batch must be positive"),
+    (["--variants", "bf16,int4"], "--variants: int4 not among bf16,int8,fp8"),
 ])
 def test_bad_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -29,6 +29,11 @@ NAMES = {
     "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, "
     "cutlass::gemm::collective::CollectiveMma<..., cutlass::float_e4m3_t, ...>>>(...)": "8-bit GEMM (INT8 / FP8)",
     "triton_tem_fused__int_mm_mul_3": "8-bit GEMM (INT8 / FP8)",
+    "triton_tem_fused__scaled_mm_add_gelu_1": "8-bit GEMM (INT8 / FP8)",
+    # an elementwise kernel that quantizes a _scaled_mm's input is named after it too, and stays elementwise
+    "triton_poi_fused__native_batch_norm_legit_no_training__scaled_mm__to_copy_clamp_gelu_30":
+        "inductor fused (norms, activations, adds)",
+    "triton_tem_fused_convolution_mm_relu_2": "GEMM (1x1 convs, head)",
     "triton_per_fused__native_batch_norm_legit_functional_relu_3": "inductor fused (norms, activations, adds)",
     "void at::native::elementwise_kernel<128, 2>(...)": OTHER,
 }

@@ -2,13 +2,16 @@
 (lkcnn.deploy.gemm8, INT8 and FP8) against its bfloat16 float form, in one call, with GPU time per cost category.
 
     python -m lkcnn.bench deploy8 [--model replknet31b] [--batch 128 1] [--steps 50] [--warmup 5] [--json FILE]
+                                  [--variants bf16,int8,fp8] [--compile-mode max-autotune]
     python -m lkcnn.bench deploy8 --model replknet_tiny --size 32 --batch 4 --steps 2   # a CPU dry run
 
 The network has random weights and BatchNorm statistics, is re-parameterized, and for the 8-bit models quantized
 (`lkcnn.deploy.quantize`, default settings: the stem and classifier stay float) on --calib-batches random batches.
-Each model runs with bfloat16 activations, channels_last, under torch.compile(mode="reduce-overhead"): CUDA graphs
-take the host's launch time out of batch 1 (where it would decide the result) and compile a model in about a minute;
-max-autotune's GEMM search would cost minutes per model and batch size. Images/s is the wall time of --steps calls
+Each model runs with bfloat16 activations, channels_last, under torch.compile (--compile-mode, default
+"reduce-overhead": CUDA graphs take the host's launch time out of batch 1, where it would decide the result, and a
+model compiles in about a minute; "max-autotune" adds inductor's GEMM search, whose Triton GEMMs can take the
+BatchNorm, activation and the next layer's quantization into their prologue and epilogue, at minutes of compile
+time per model and batch size). Images/s is the wall time of --steps calls
 after --warmup (lkcnn.timing); the categories come from --profile-steps more calls under torch.profiler. On the CPU
 the models run eagerly, without the profile: a check that the command works, not a measurement.
 """
@@ -32,7 +35,9 @@ from lkcnn.deploy.quantize import QuantizeError, quantize
 from lkcnn.deploy.reparam import reparameterize_model
 
 COMPILE_MODE = "reduce-overhead"
+COMPILE_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("int8", "fp8")
+VARIANTS = ("bf16", *PRECISIONS)
 TOP_KERNELS = 15  # kept per row in the record, to check the categories against the kernels' names
 
 
@@ -51,8 +56,9 @@ def models(args: argparse.Namespace, device: torch.device) -> dict[str, nn.Modul
     float_model = deployed(args.model, device)
     batches = [torch.randn(args.calib_batch, 3, args.size, args.size, device=device)
                for _ in range(args.calib_batches)]
-    eight_bit = {p: to_8bit_gemms(quantize(float_model, batches, p), torch.bfloat16) for p in PRECISIONS}
-    variants = {"bf16": float_model.to(torch.bfloat16), **eight_bit}
+    eight_bit = {p: to_8bit_gemms(quantize(float_model, batches, p), torch.bfloat16)
+                 for p in PRECISIONS if p in args.variants}
+    variants = {"bf16": float_model.to(torch.bfloat16), **eight_bit}  # bf16 always: the ratios' denominator
     return {name: model.to(memory_format=torch.channels_last) for name, model in variants.items()}
 
 
@@ -60,7 +66,7 @@ def measure(model: nn.Module, batch: int, args: argparse.Namespace, device: torc
     """images/s of `model` at `batch` (compiled on a GPU) and, on a GPU, its GPU ms per batch by category."""
     x = torch.randn(batch, 3, args.size, args.size, device=device, dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
-    run = torch.compile(model, mode=COMPILE_MODE, dynamic=False) if device.type == "cuda" else model
+    run = torch.compile(model, mode=args.compile_mode, dynamic=False) if device.type == "cuda" else model
 
     def call() -> None:
         with torch.inference_mode():
@@ -97,7 +103,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device) -> str:
     """images/s, the ratio to bf16 and GPU ms per batch by category, one column per (variant, batch)."""
-    where = (f"compiled ({COMPILE_MODE}), {torch.cuda.get_device_name(device)}" if device.type == "cuda"
+    where = (f"compiled ({args.compile_mode}), {torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else "eager on the CPU (a dry run, not a measurement)")
     lines = [f"{args.model} deploy form, {args.size} px, bf16 activations, channels_last, {where}",
              f"{'variant':8s} {'batch':>6s} {'img/s':>10s} {'x bf16':>7s} {'ms/batch':>9s} {'8-bit GEMMs':>12s}"]
@@ -128,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-steps", type=int, default=5, help="calls under torch.profiler (GPU only)")
     parser.add_argument("--calib-batches", type=int, default=4, help="random calibration batches")
     parser.add_argument("--calib-batch", type=int, default=16, help="images per calibration batch")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                        help="comma-separated, of bf16,int8,fp8 (bf16 is always measured: the ratios' denominator)")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=COMPILE_MODE,
+                        help="torch.compile mode on a GPU")
     parser.add_argument("--json", help="write an lkcnn-benchmark/1 record (kind deploy8) to this path")
     return parser
 
@@ -137,6 +147,9 @@ def main(argv: Sequence[str]) -> None:
     args = parser.parse_args(argv)
     if not timm.is_model(args.model):
         parser.exit(2, f"{parser.prog}: error: --model: {args.model!r} is not a timm model name\n")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.exit(2, f"{parser.prog}: error: --variants: {','.join(unknown)} not among {','.join(VARIANTS)}\n")
     if min(args.batch + [args.steps, args.calib_batches, args.calib_batch]) < 1:
         parser.exit(2, f"{parser.prog}: error: --batch, --steps, --calib-batches and --calib-batch must be positive\n")
     args.size = args.size or timm.get_pretrained_cfg_value(args.model, "input_size")[-1]
@@ -150,7 +163,7 @@ def main(argv: Sequence[str]) -> None:
         method = {"timer": "lkcnn.timing.mean_ms(wall=True) over --steps calls after --warmup; categories: "
                            "torch.profiler kernel times over --profile-steps more calls",
                   "units": "inference images/s; GPU ms per batch", "size": args.size,
-                  "regime": f"compiled ({COMPILE_MODE}), channels_last, bf16 activations" if device.type == "cuda"
+                  "regime": f"compiled ({args.compile_mode}), channels_last, bf16 activations" if device.type == "cuda"
                   else "eager, CPU", "calibration": f"{args.calib_batches} random batches of {args.calib_batch}"}
         write_record(args.json, make_record("deploy8", device, command_line(["deploy8", *argv]), method, rows))
         print(f"wrote {args.json}")

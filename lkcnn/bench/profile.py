@@ -57,7 +57,8 @@ CATEGORIES = (
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
     ("optimizer", ("multi_tensor", "adam")),
-    ("8-bit GEMM (INT8 / FP8)", ("i8i32", "_s8", "imma", "e4m3", "f8f8", "int_mm", "_qqtst")),  # qq: cuBLASLt FP8
+    # qq: cuBLASLt FP8; tem_: inductor's Triton GEMM templates (max-autotune), named after their ops
+    ("8-bit GEMM (INT8 / FP8)", ("i8i32", "_s8", "imma", "e4m3", "f8f8", "int_mm", "_qqtst", "tem_fused__scaled_mm")),
     ("GEMM (1x1 convs, head)", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "sm90_", "sm80_")),
     ("inductor fused (norms, activations, adds)", ("triton_",)),
 )
