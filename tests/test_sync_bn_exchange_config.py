@@ -36,24 +36,29 @@ def record(reason: int, kind: int, peer: int, size: int, call: int) -> int:
     return reason << 60 | kind << 56 | peer << 52 | size << 32 | call
 
 
-def test_config_defaults_to_torch():
+def test_config_defaults_to_auto():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train")
         asked = compose(config_name="train", overrides=["module.sync_bn_exchange=lkcnn",
                                                         "module.sync_bn_exchange_timeout_s=5"])
-    assert cfg.module.sync_bn_exchange == "torch"
+    assert cfg.module.sync_bn_exchange == "auto"
     assert cfg.module.sync_bn_exchange_timeout_s == DEFAULT_EXCHANGE_TIMEOUT_S
     assert (asked.module.sync_bn_exchange, asked.module.sync_bn_exchange_timeout_s) == ("lkcnn", 5)
 
 
 @pytest.mark.parametrize("setting,compiled,world_size,num_nodes,device,expected", [
     ("torch", True, 2, 1, "cuda", (False, "")),
+    ("auto", True, 2, 1, "cuda", (True, "")),
+    ("auto", True, 8, 2, "cuda", (False, "")),
+    ("auto", False, 2, 1, "cuda", (False, "")),
+    ("auto", True, 1, 1, "cuda", (False, "")),
     ("lkcnn", True, 2, 1, "cuda", (True, "")),
     ("lkcnn", True, 8, 2, "cuda", (False, "the run spans 2 machines")),
     ("lkcnn", False, 2, 1, "cuda", (False, "module.compile=reduce-overhead")),
     ("lkcnn", True, 1, 1, "cuda", (False, "several GPUs")),
     ("lkcnn", True, 2, 1, "cpu", (False, "several GPUs"))],
-    ids=["default", "asked", "two-machines", "eager", "one-gpu", "cpu"])
+    ids=["torch", "auto", "auto-two-machines", "auto-eager", "auto-one-gpu", "asked", "two-machines", "eager",
+         "one-gpu", "cpu"])
 def test_nvlink_exchange_only_where_asked_and_possible(setting, compiled, world_size, num_nodes, device, expected):
     wanted, why_not = use_nvlink_exchange(setting, compiled=compiled, world_size=world_size, num_nodes=num_nodes,
                                           device_type=device)
@@ -62,7 +67,7 @@ def test_nvlink_exchange_only_where_asked_and_possible(setting, compiled, world_
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"sync_bn_exchange": "nvlink"}, r"module.sync_bn_exchange='nvlink': use one of torch, lkcnn"),
+    ({"sync_bn_exchange": "nvlink"}, r"module.sync_bn_exchange='nvlink': use one of auto, lkcnn, torch"),
     ({"sync_bn_exchange_timeout_s": 0}, r"module.sync_bn_exchange_timeout_s=0: use a positive number of seconds"),
     ({"sync_bn_exchange_timeout_s": "5s"}, r"sync_bn_exchange_timeout_s='5s'")])
 def test_bad_settings_fail_at_construction(kwargs, match):
@@ -75,13 +80,18 @@ def test_bad_settings_fail_at_construction(kwargs, match):
     (True, "lkcnn", 2, 1, "cuda", True, "cannot be set up.*no peer access"),
     (False, "lkcnn", 2, 1, "cuda", False, "compiled runs only"), (True, "lkcnn", 1, 1, "cuda", False, "several GPUs"),
     (True, "lkcnn", 4, 2, "cuda", False, "spans 2 machines"), (True, "lkcnn", 2, 1, "cpu", False, "several GPUs"),
-    (True, "torch", 4, 2, "cuda", False, None)],
-    ids=["default-torch", "compiled-2-gpus", "cannot-set-up", "eager", "one-gpu", "two-machines", "cpu",
-         "two-machines-torch"])
-def test_setup_enables_the_nvlink_exchange_only_when_asked(monkeypatch, recwarn, compile, setting, world_size,
-                                                           num_nodes, device, fails, expected):
-    """module.setup: NCCL by default; lkcnn's exchange (with the configured limit) for a compiled run on several GPUs
-    of one machine that asks for it; where it was asked for and cannot run, a warning that says why."""
+    (True, "torch", 4, 2, "cuda", False, None), (True, "auto", 2, 1, "cuda", False, "nvlink"),
+    (True, "auto", 2, 1, "cuda", True, "cannot be set up.*no peer access"), (False, "auto", 2, 1, "cuda", False, None),
+    (True, "auto", 1, 1, "cuda", False, None), (True, "auto", 4, 2, "cuda", False, None),
+    (True, "auto", 1, 1, "cpu", False, None)],
+    ids=["torch", "compiled-2-gpus", "cannot-set-up", "eager", "one-gpu", "two-machines", "cpu",
+         "two-machines-torch", "auto-compiled-2-gpus", "auto-cannot-set-up", "auto-eager", "auto-one-gpu",
+         "auto-two-machines", "auto-cpu"])
+def test_setup_enables_the_nvlink_exchange_where_it_applies(monkeypatch, recwarn, compile, setting, world_size,
+                                                            num_nodes, device, fails, expected):
+    """module.setup: lkcnn's exchange (with the configured limit) for a compiled run on several GPUs of one machine,
+    by default (auto) or by name (lkcnn); NCCL elsewhere, silently under auto; a warning that says why where lkcnn
+    was named and cannot run, or where the exchange cannot be set up."""
     calls = []
 
     def enable(group, timeout_s):

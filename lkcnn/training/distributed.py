@@ -11,33 +11,39 @@ from torch import nn
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 from lkcnn.ops.sync_batchnorm import enable_nvlink_exchange
 
-# module.sync_bn_exchange: where SyncBatchNorm's statistics travel under torch.compile
-EXCHANGES = ("torch", "lkcnn")
+# module.sync_bn_exchange: where SyncBatchNorm's statistics travel under torch.compile. auto: lkcnn's NVLink kernels
+# where they apply (compiled, several GPUs of one machine), NCCL elsewhere, silently; lkcnn: the same, with a warning
+# where they do not apply; torch: NCCL always.
+EXCHANGES = ("auto", "lkcnn", "torch")
+
+
 def use_nvlink_exchange(setting: str, *, compiled: bool, world_size: int, num_nodes: int,
                         device_type: str) -> tuple[bool, str]:
-    """Whether a run sets up lkcnn's NVLink exchange, and if not, why (empty when the config did not ask for it).
+    """Whether a run sets up lkcnn's NVLink exchange, and if not, why (empty unless the config asked for it by name).
 
-    Only where asked (`module.sync_bn_exchange=lkcnn`), compiled (eager SyncBatchNorm runs the C++ function on NCCL),
-    on several GPUs of one machine; several machines keep NCCL.
+    Compiled runs only (eager SyncBatchNorm runs the C++ function on NCCL), on several GPUs of one machine; several
+    machines keep NCCL.
     """
     if setting not in EXCHANGES:
         raise ValueError(f"module.sync_bn_exchange={setting!r}: use one of {', '.join(EXCHANGES)}")
     if setting == "torch":
         return False, ""
     if not compiled:
-        return False, "it serves compiled runs only: add module.compile=reduce-overhead (or true)"
-    if device_type != "cuda" or world_size < 2:
-        return False, "it needs several GPUs"
-    if num_nodes > 1:
-        return False, f"the run spans {num_nodes} machines, and NVLink joins the GPUs of one"
-    return True, ""
+        why_not = "it serves compiled runs only: add module.compile=reduce-overhead (or true)"
+    elif device_type != "cuda" or world_size < 2:
+        why_not = "it needs several GPUs"
+    elif num_nodes > 1:
+        why_not = f"the run spans {num_nodes} machines, and NVLink joins the GPUs of one"
+    else:
+        return True, ""
+    return False, why_not if setting == "lkcnn" else ""
 
 
 def configure_sync_bn_exchange(setting: str, timeout_s: float, *, compiled: bool, world_size: int, num_nodes: int,
                                device_type: str) -> None:
-    """With module.sync_bn_exchange=lkcnn, compiled on several GPUs of one machine, SyncBatchNorm's exchanges (two
-    per layer, on the critical path of the step) go through lkcnn's NVLink kernels instead of NCCL; by default, and
-    on several machines, they stay on NCCL."""
+    """Compiled on several GPUs of one machine (module.sync_bn_exchange auto or lkcnn), SyncBatchNorm's exchanges (two
+    per layer, on the critical path of the step) go through lkcnn's NVLink kernels instead of NCCL; elsewhere, and
+    with module.sync_bn_exchange=torch, they stay on NCCL."""
     wanted, why_not = use_nvlink_exchange(setting, compiled=compiled, world_size=world_size, num_nodes=num_nodes,
                                           device_type=device_type)
     if not (wanted and dist.is_initialized()):

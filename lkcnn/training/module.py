@@ -69,8 +69,9 @@ class ClassificationModule(L.LightningModule):
             GPU and no callback needs eager module hooks, else eager), False, True (torch's default mode) or a
             torch.compile mode, e.g. "reduce-overhead" (forward and backward replayed as CUDA graphs, which takes
             the launch cost of the eager step off the host).
-        sync_bn_exchange: where SyncBatchNorm's statistics travel when compiled on several GPUs: "torch" (NCCL,
-            default) or "lkcnn" (lkcnn's NVLink kernels, GPUs of one machine; docs/training_multigpu.md).
+        sync_bn_exchange: where SyncBatchNorm's statistics travel: "auto" (default: lkcnn's NVLink kernels when
+            compiled on several GPUs of one machine, else NCCL), "lkcnn" (the same, warning where they do not
+            apply) or "torch" (NCCL); docs/training_multigpu.md.
         sync_bn_exchange_timeout_s: how long an lkcnn exchange waits for a peer before the run fails with
             ExchangeError.
 
@@ -79,7 +80,7 @@ class ClassificationModule(L.LightningModule):
 
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], conv_impl: str = "auto",
                  ema: Mapping[str, Any] | None = None, seed: int = 0, channels_last: bool = False,
-                 compile: bool | str = "auto", grad_checkpointing: bool = False, sync_bn_exchange: str = "torch",
+                 compile: bool | str = "auto", grad_checkpointing: bool = False, sync_bn_exchange: str = "auto",
                  sync_bn_exchange_timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S) -> None:
         super().__init__()
         self.save_hyperparameters()
