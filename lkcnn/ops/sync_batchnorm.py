@@ -15,9 +15,9 @@ the forward and one all-reduce of the gradient's sums in the backward, which is 
 is (autograd through var_mean made seven reductions of the gradient, against two). The exchanges are torch.library
 ops, so that dynamo keeps them in the graph whichever path they take. With `mode="reduce-overhead"` the whole step,
 collectives included, is replayed as CUDA graphs, so a DDP step needs no host time per layer. The exchanges go
-through NCCL, or, where the config asks for it (`module.sync_bn_exchange=lkcnn`) and `enable_nvlink_exchange` has set
-up symmetric memory on the GPUs of one machine, through lkcnn's own kernels (csrc/sync_bn/sync_exchange.cu): one kernel per
-exchange that pushes the values to the other GPUs over NVLink and, in the forward, also combines the statistics and
+through NCCL, or, where `enable_nvlink_exchange` has set up symmetric memory on the GPUs of one machine (the training
+module does for compiled runs there unless `module.sync_bn_exchange=torch`), through lkcnn's own kernels
+(csrc/sync_bn/sync_exchange.cu): one kernel per exchange that pushes the values to the other GPUs over NVLink and, in the forward, also combines the statistics and
 updates the running ones. Per 8 KB in a CUDA graph on 2x H200 that takes 2.7 us, against NCCL's 16-18 us and
 symmetric memory's one-shot all-reduce's 6.4 us plus the kernels around it (scripts/allreduce_bw.py,
 docs/performance.md); a step makes two per BatchNorm. Each of its waits for a peer is bounded (`ExchangeError`).
