@@ -23,8 +23,10 @@ BRANCH_SETS = {
     **{f"unireplknet k{k}": list(pairs) for k, pairs in UNIREPLKNET_DILATED_BRANCHES.items()},
 }
 # (N, C, H, W): RepLKNet-31B's stage 3 and 4 maps, a map narrower than a thread's 4 columns, odd sizes, a map
-# smaller than the dilated branches' span, many channel groups per pixel.
-SHAPES = [(4, 64, 14, 14), (3, 32, 7, 7), (2, 16, 5, 3), (2, 24, 13, 11), (2, 8, 3, 4), (1, 2048, 6, 9)]
+# smaller than the dilated branches' span, many channel groups per pixel, a map of several tiles each way with a
+# partly filled last channel block (5 bf16 / 10 fp32 channel groups).
+SHAPES = [(4, 64, 14, 14), (3, 32, 7, 7), (2, 16, 5, 3), (2, 24, 13, 11), (2, 8, 3, 4), (1, 2048, 6, 9),
+          (2, 40, 19, 37)]
 
 
 @pytest.fixture(autouse=True)

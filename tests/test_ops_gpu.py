@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lkcnn.layers import LargeKernelConv
 from lkcnn.ops import build, dwconv2d, use_conv_impl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -282,6 +283,36 @@ def test_channels_last_training_ops():
     assert ops_of(torch.bfloat16, True) == {lk.dwconv2d_fwd_keep, lk.dwconv2d_bwd}
     assert ops_of(torch.float32, True) == {lk.dwconv2d_fwd, lk.dwconv2d_bwd}
     assert ops_of(torch.bfloat16, False) == {lk.dwconv2d_fwd}
+    with use_conv_impl("torch"):  # PyTorch's convolution keeps no copy
+        assert ops_of(torch.bfloat16, True) == {lk.dwconv2d_fwd, lk.dwconv2d_bwd}
+
+
+def test_compiling_under_another_implementation_in_one_process():
+    """The same network compiled with lkcnn's kernels, then (a new instance, same graph) with PyTorch's convolution:
+    the second compile must not reuse the first's graph, whose forward keeps an NCHW copy of x that PyTorch's path
+    does not make (torch's compile caches key on the graph, not on lkcnn's implementation choice)."""
+    def step(impl):
+        torch.manual_seed(0)
+        conv = torch.nn.Sequential(LargeKernelConv(16, 13), torch.nn.ReLU()).cuda()
+        x = torch.randn(2, 16, 14, 14, device="cuda").contiguous(memory_format=torch.channels_last)
+        with use_conv_impl(impl):
+            model = torch.compile(conv)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = model(x.requires_grad_())
+            y.float().sum().backward()
+        return y.float(), x.grad, conv[0].weight.grad
+
+    for got, want in zip(step("auto"), step("torch")):
+        assert rel_err(got, want.double()) <= TOL[torch.bfloat16]
+
+
+def test_the_choice_of_forward_compiles_without_graph_breaks():
+    """dwconv2d decides at trace time whether its forward keeps an NCHW copy; dynamo must trace that decision (the
+    built extension's checks would break the graph at every large-kernel layer)."""
+    conv = LargeKernelConv(16, 13).cuda().bfloat16()
+    x = torch.randn(2, 16, 14, 14, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    explained = torch._dynamo.explain(conv)(x.requires_grad_())
+    assert explained.graph_break_count == 0, explained.break_reasons
 
 
 def test_64bit_indexing():

@@ -57,7 +57,7 @@ def conv_impl() -> str:
 def set_conv_impl(impl: str | None) -> None:
     """Choose the implementation for the whole process ('auto', 'cuda' or 'torch'); None returns to the user's
     default (LKCNN_CONV_IMPL, else 'auto'). Every op call reads it when it runs; choose before torch.compile, whose
-    trace fixes whether dwconv2d_fwd_keep returns its NCHW copy (its fake asks `implementation`)."""
+    trace fixes whether `dwconv2d` calls dwconv2d_fwd_keep (which keeps an NCHW copy of x for the backward)."""
     global _chosen
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"conv_impl={impl!r} is not one of {', '.join(IMPLS)}")
@@ -106,10 +106,16 @@ def _cuda_reason(device: torch.device, dtype: torch.dtype, kh: int, kw: int, ph:
     return None
 
 
+def _policy_allows_kernels(kernel_size: list[int]) -> bool:
+    """Whether the implementation in force sends this kernel size to lkcnn's kernels: the part of the choice that
+    torch.compile can trace (the rest asks the built extension, which dynamo cannot trace without graph breaks)."""
+    impl = conv_impl()
+    return impl != "torch" and not (impl == "auto" and max(kernel_size) < AUTO_MIN_KERNEL)
+
+
 def _choose(x: Tensor, kernel_size: list[int], padding: list[int]) -> tuple[str, str | None]:
     """(implementation, why lkcnn's kernels cannot run); the reason is None for a deliberate choice."""
-    impl = conv_impl()
-    if impl == "torch" or (impl == "auto" and max(kernel_size) < AUTO_MIN_KERNEL):
+    if not _policy_allows_kernels(kernel_size):
         return "torch", None
     reason = cuda_unsupported_reason(x, kernel_size, padding)
     return ("cuda", None) if reason is None else ("torch", reason)
@@ -166,22 +172,25 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Ten
 @torch.library.custom_op("lkcnn::dwconv2d_fwd_keep", mutates_args=())
 def dwconv2d_fwd_keep(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
     """(dwconv2d_fwd's y, x as NCHW): the forward that also returns the NCHW copy of x lkcnn's kernels read, which
-    autograd then saves for the weight gradient instead of x, so that pass does not make the copy again. Where
-    PyTorch's convolution runs instead, the second output is empty."""
+    autograd then saves for the weight gradient instead of x, so that pass does not make the copy again.
+
+    `dwconv2d` calls it only where the implementation in force sends the kernel size to lkcnn's kernels, so a
+    compiled graph holds that choice in its ops (a graph compiled under another implementation, e.g. from torch's
+    compile caches, is never reused for this one). Where PyTorch's convolution runs after all (a shape the kernels do
+    not take), the copy is made all the same: the outputs always have the fake's shapes."""
     if _use_cuda(x, list(weight.shape[-2:]), padding):
         ext = build.load()
         x_nchw = x.clone() if x.is_contiguous() else ext.to_nchw(x)  # an output must not alias an input
         y = _new_like(x)
         ext.fwd(x_nchw, weight, bias, y, padding[0], padding[1], False)
         return y, x_nchw
-    return dwconv2d_fwd(x, weight, bias, padding), x.new_empty(0)
+    return dwconv2d_fwd(x, weight, bias, padding), x.clone(memory_format=torch.contiguous_format)
 
 
 @dwconv2d_fwd_keep.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
-    keeps = implementation(x, list(weight.shape[-2:]), padding) == "cuda"  # metadata only: fine on fake tensors
-    x_nchw = torch.empty_like(x, memory_format=torch.contiguous_format) if keeps else x.new_empty(0)
-    return torch.empty_like(x, memory_format=_memory_format(x)), x_nchw
+    return (torch.empty_like(x, memory_format=_memory_format(x)),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_input", mutates_args=())
@@ -269,8 +278,7 @@ def _setup_context_keep(ctx, inputs, output) -> None:
     x, weight, bias, padding = inputs
     x_nchw = output[1]
     ctx.mark_non_differentiable(x_nchw)
-    # the NCHW copy rather than x: the weight gradient reads it as it is (x where PyTorch's convolution ran)
-    ctx.save_for_backward(x_nchw if x_nchw.numel() else x, weight)
+    ctx.save_for_backward(x_nchw, weight)  # the NCHW copy rather than x: the weight gradient reads it as it is
     ctx.padding = padding
     ctx.has_bias = bias is not None
 
@@ -353,7 +361,8 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
         raise ValueError(f"dwconv2d: x is {x.dtype} but weight/bias are {weight.dtype}"
                          f"{'' if bias is None else '/' + str(bias.dtype)}; cast them to one dtype or use autocast")
     if (x.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and x.is_cuda
-            and (x.requires_grad or weight.requires_grad) and _memory_format(x) == torch.channels_last):
+            and (x.requires_grad or weight.requires_grad) and _memory_format(x) == torch.channels_last
+            and _policy_allows_kernels(list(weight.shape[-2:]))):
         # lkcnn's 16-bit passes all read NCHW copies of channels_last tensors: the weight gradient reuses the
         # forward's
         return torch.ops.lkcnn.dwconv2d_fwd_keep(x, weight, bias, padding)[0]
