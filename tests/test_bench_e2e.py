@@ -30,6 +30,7 @@ NAMES = {
     "cutlass::gemm::collective::CollectiveMma<..., cutlass::float_e4m3_t, ...>>>(...)": "8-bit GEMM (INT8 / FP8)",
     "triton_tem_fused__int_mm_mul_3": "8-bit GEMM (INT8 / FP8)",
     "triton_tem_fused__scaled_mm_add_gelu_1": "8-bit GEMM (INT8 / FP8)",
+    "triton_tem_fused__native_batch_norm_legit_no_training__scaled_mm_gelu_4": "8-bit GEMM (INT8 / FP8)",
     # an elementwise kernel that quantizes a _scaled_mm's input is named after it too, and stays elementwise
     "triton_poi_fused__native_batch_norm_legit_no_training__scaled_mm__to_copy_clamp_gelu_30":
         "inductor fused (norms, activations, adds)",

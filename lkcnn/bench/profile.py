@@ -48,17 +48,19 @@ def profile_kernels(fn, calls: int) -> list:
     return kernel_table(prof.key_averages())
 
 
-# Kernel names -> the step's cost categories of docs/performance.md, first match wins (lkcnn's kernels are in
-# namespace lkcnn: `dwconv_*` and the layout `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`; the 8-bit
-# GEMMs name their operand types: cuBLASLt's `i8i32` / `s8`, CUTLASS's `float_e4m3_t`, inductor's `_int_mm` template).
+# Kernel names -> the step's cost categories of docs/performance.md, first match wins; a needle matches when it is in
+# the name, a tuple of needles when all are (lkcnn's kernels are in namespace lkcnn: `dwconv_*` and the layout
+# `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`; the 8-bit GEMMs name their operand types: cuBLASLt's
+# `i8i32` / `s8` / `qq`, CUTLASS's `float_e4m3_t`; inductor's Triton GEMM templates (`triton_tem_*`) name their ops in
+# sorted order, `_scaled_mm` / `_int_mm` anywhere, as do its elementwise kernels that quantize a GEMM's input).
 CATEGORIES = (
     ("lkcnn small-branch conv", ("branches_conv_kernel", "branches_wgrad_kernel")),  # before dwconv_: the file name
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
     ("optimizer", ("multi_tensor", "adam")),
-    # qq: cuBLASLt FP8; tem_: inductor's Triton GEMM templates (max-autotune), named after their ops
-    ("8-bit GEMM (INT8 / FP8)", ("i8i32", "_s8", "imma", "e4m3", "f8f8", "int_mm", "_qqtst", "tem_fused__scaled_mm")),
+    ("8-bit GEMM (INT8 / FP8)", ("i8i32", "_s8", "imma", "e4m3", "f8f8", "_qqtst", ("triton_tem", "_int_mm"),
+                                 ("triton_tem", "_scaled_mm"))),
     ("GEMM (1x1 convs, head)", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "sm90_", "sm80_")),
     ("inductor fused (norms, activations, adds)", ("triton_",)),
 )
@@ -68,7 +70,10 @@ OTHER = "other (PyTorch elementwise, reductions, copies)"
 def category(kernel: str) -> str:
     """The cost category of a GPU kernel, by its name."""
     name = kernel.lower()
-    return next((label for label, needles in CATEGORIES if any(n in name for n in needles)), OTHER)
+
+    def found(needle: str | tuple[str, ...]) -> bool:
+        return needle in name if isinstance(needle, str) else all(n in name for n in needle)
+    return next((label for label, needles in CATEGORIES if any(found(n) for n in needles)), OTHER)
 
 
 def by_category(kernels, steps: int) -> dict[str, float]:

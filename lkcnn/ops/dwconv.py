@@ -79,8 +79,8 @@ def cuda_unsupported_reason(x: Tensor, kernel_size: list[int], padding: list[int
     """Why lkcnn's CUDA kernels cannot run this call, or None when they can."""
     if not x.is_cuda:
         return f"the input is on {x.device.type}, not a CUDA device"
-    # int(): in a dynamic-shape trace (dwconv2d_fwd_keep's fake asks too) sizes are SymInts, which the cache cannot
-    # hash; the answer depends on the kernel size and the map's width, so the trace specializes on those
+    # int(): under a dynamic-shape trace sizes are SymInts, which the cache cannot hash; the answer depends on the
+    # kernel size and the map's width, so a trace specializes on those
     return _cuda_reason(x.device, x.dtype, *map(int, kernel_size), *map(int, padding), int(x.shape[-1]))
 
 

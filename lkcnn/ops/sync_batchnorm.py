@@ -17,8 +17,9 @@ ops, so that dynamo keeps them in the graph whichever path they take. With `mode
 collectives included, is replayed as CUDA graphs, so a DDP step needs no host time per layer. The exchanges go
 through NCCL, or, where `enable_nvlink_exchange` has set up symmetric memory on the GPUs of one machine (the training
 module does for compiled runs there unless `module.sync_bn_exchange=torch`), through lkcnn's own kernels
-(csrc/sync_bn/sync_exchange.cu): one kernel per exchange that pushes the values to the other GPUs over NVLink and, in the forward, also combines the statistics and
-updates the running ones. Per 8 KB in a CUDA graph on 2x H200 that takes 2.7 us, against NCCL's 16-18 us and
+(csrc/sync_bn/sync_exchange.cu): one kernel per exchange that pushes the values to the other GPUs over NVLink and,
+in the forward, also combines the statistics and updates the running ones. Per 8 KB in a CUDA graph on 2x H200 that
+takes 2.7-3.5 us, against NCCL's 16-18 us and
 symmetric memory's one-shot all-reduce's 6.4 us plus the kernels around it (scripts/allreduce_bw.py,
 docs/performance.md); a step makes two per BatchNorm. Each of its waits for a peer is bounded (`ExchangeError`).
 Eager mode keeps the single C++ autograd function: Python ops would cost host time in every layer.
