@@ -88,3 +88,21 @@ def test_the_cudnn_small_branch_variant_turns_only_the_branch_kernels_off(monkey
         with pytest.raises(Built):
             e2e.setup(model, impl, batch=2, channels_last=True, compile=None, **kwargs)
     assert calls == [("conv", "auto"), ("branches", True), ("conv", "auto"), ("branches", False)]
+
+
+def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
+    """A compiled variant takes minutes: its images/s is printed when it finishes, so a later variant that fails (or
+    a GPU call's time limit) does not take the earlier results with it."""
+    speeds = iter([1200.0, 300.0])
+
+    def fake_images_per_s(model, impl, **kwargs):
+        if impl == "cuda3":
+            raise RuntimeError("the third variant fails")
+        return next(speeds)
+
+    monkeypatch.setattr(e2e, "images_per_s", fake_images_per_s)
+    variants = {"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {}), "net: c": ("net", "cuda3", {})}
+    with pytest.raises(RuntimeError, match="third variant"):
+        e2e.measure(variants, 1, batch=2, steps=1, warmup=1)
+    assert capsys.readouterr().err.splitlines() == ["lkcnn-bench e2e: net: a: 1200.0 images/s",
+                                                    "lkcnn-bench e2e: net: b: 300.0 images/s"]

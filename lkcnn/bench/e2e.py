@@ -162,6 +162,7 @@ def measure(variants: dict[str, Job], repeat: int, **common) -> dict[str, list[f
     for _ in range(repeat):
         for label, (model, impl, kwargs) in variants.items():
             samples[label].append(images_per_s(model, impl, **common, **kwargs))
+            _progress({"network": label, "images_per_s": samples[label][-1]})  # kept if a later variant fails
     return samples
 
 
