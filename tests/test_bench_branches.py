@@ -37,3 +37,13 @@ def test_main_without_a_gpu_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         branches.main([])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cases", "s9"], "unknown case(s) s9: choose from replknet31b s1 5x5"),
+    (["--dtypes", "bf16,int8"], "unknown dtype(s) int8: choose from fp32, fp16, bf16")])
+def test_bad_arguments_are_one_line(monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks come before any GPU work
+    with pytest.raises(SystemExit) as exit_info:
+        branches.main(argv)
+    assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value)

@@ -129,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    bad = [d for d in args.dtypes.split(",") if d not in kernels.DTYPES]
+    if bad:
+        raise SystemExit(f"unknown dtype(s) {', '.join(bad)}: choose from {', '.join(kernels.DTYPES)}")
     set_conv_impl("cuda")  # the lkcnn columns are lkcnn's kernels or an error, never the fallback
     device = torch.device("cuda")
     timer_name, timer = kernels.gpu_timer()
