@@ -31,6 +31,8 @@ def test_table_rows_and_ratios():
            "cudnn": {**ms, "total": 0.8}, "lkcnn_dense": {"error": "RuntimeError: x"}, "x_cudnn": 2.0}
     table = branches.format_table([row])
     assert "0.100 / 0.100 / 0.200 = 0.400" in table and "2.00x" in table and "nanx" in table
+    alone = branches.format_table([{k: v for k, v in row.items() if k in ("case", "dtype", "lkcnn_branches")}])
+    assert "0.100 / 0.100 / 0.200 = 0.400" in alone  # a run of --ways lkcnn_branches alone
 
 
 def test_main_without_a_gpu_is_one_line(monkeypatch):
@@ -41,7 +43,8 @@ def test_main_without_a_gpu_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("argv,message", [
     (["--cases", "s9"], "unknown case(s) s9: choose from replknet31b s1 5x5"),
-    (["--dtypes", "bf16,int8"], "unknown dtype(s) int8: choose from fp32, fp16, bf16")])
+    (["--dtypes", "bf16,int8"], "unknown dtype(s) int8: choose from fp32, fp16, bf16"),
+    (["--ways", "lkcnn_branches,triton"], "unknown way(s) triton: choose from lkcnn_branches, cudnn, lkcnn_dense")])
 def test_bad_arguments_are_one_line(monkeypatch, argv, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks come before any GPU work
     with pytest.raises(SystemExit) as exit_info:

@@ -79,13 +79,13 @@ def graphed(fn: Callable[[dict[str, Any]], object], inputs: dict[str, Any]) -> t
     return graph
 
 
-def bench_case(name: str, dtype: str, timer, device) -> dict[str, Any]:
+def bench_case(name: str, dtype: str, timer, device, ways: Sequence[str] = WAYS) -> dict[str, Any]:
     nchw, pairs = CASES[name]
     torch_dtype = kernels.DTYPES[dtype]
     set_bytes = (1 + 2 * len(pairs)) * torch.Size(nchw).numel() * torch_dtype.itemsize
     sets = [_inputs(nchw, pairs, torch_dtype, device) for _ in range(kernels.n_input_sets(set_bytes))]
     row: dict[str, Any] = {"case": name, "nchw": list(nchw), "branches": [list(p) for p in pairs], "dtype": dtype}
-    for way in WAYS:
+    for way in ways:
         def measure(way=way) -> dict[str, float]:
             with kernels.pytorch_backend(cudnn=True):
                 times = {}
@@ -96,9 +96,9 @@ def bench_case(name: str, dtype: str, timer, device) -> dict[str, Any]:
             return times
         row[way] = kernels._guarded(measure)
         torch.cuda.empty_cache()
-    if "total" in row["lkcnn_branches"]:
+    if "total" in row.get("lkcnn_branches", {}):
         for way in WAYS[1:]:
-            if "total" in row[way]:
+            if "total" in row.get(way, {}):
                 row[f"x_{way}"] = row[way]["total"] / row["lkcnn_branches"]["total"]
     return row
 
@@ -107,14 +107,15 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     head = ["case", "dtype", "lkcnn fwd / dgrad / wgrad = total", "cuDNN total", "x cuDNN", "dense lkcnn total",
             "x dense"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    nan = float("nan")
     for r in rows:
-        lk = r["lkcnn_branches"]
+        lk = r.get("lkcnn_branches", {})
         ours = (f"{lk['fwd']:.3f} / {lk['bwd_input']:.3f} / {lk['bwd_weight']:.3f} = {lk['total']:.3f}"
                 if "total" in lk else lk.get("error", "-"))
         lines.append(" | ".join([r["case"], r["dtype"], ours,
-                                 f"{r['cudnn'].get('total', float('nan')):.3f}", f"{r.get('x_cudnn', float('nan')):.2f}x",
-                                 f"{r['lkcnn_dense'].get('total', float('nan')):.3f}",
-                                 f"{r.get('x_lkcnn_dense', float('nan')):.2f}x"]))
+                                 f"{r.get('cudnn', {}).get('total', nan):.3f}", f"{r.get('x_cudnn', nan):.2f}x",
+                                 f"{r.get('lkcnn_dense', {}).get('total', nan):.3f}",
+                                 f"{r.get('x_lkcnn_dense', nan):.2f}x"]))
     return "\n".join(lines)
 
 
@@ -122,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lkcnn.bench branches", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names (default: all)")
     parser.add_argument("--dtypes", default="bf16", help="comma-separated: fp32, fp16, bf16 (default bf16)")
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help=f"comma-separated, of {', '.join(WAYS)} (default: all)")
     parser.add_argument("--json", help="write the benchmark record here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -132,10 +135,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     bad = [d for d in args.dtypes.split(",") if d not in kernels.DTYPES]
     if bad:
         raise SystemExit(f"unknown dtype(s) {', '.join(bad)}: choose from {', '.join(kernels.DTYPES)}")
+    ways = args.ways.split(",")
+    if bad := [w for w in ways if w not in WAYS]:
+        raise SystemExit(f"unknown way(s) {', '.join(bad)}: choose from {', '.join(WAYS)}")
     set_conv_impl("cuda")  # the lkcnn columns are lkcnn's kernels or an error, never the fallback
     device = torch.device("cuda")
     timer_name, timer = kernels.gpu_timer()
-    rows = [bench_case(c, d, timer, device) for d in args.dtypes.split(",") for c in args.cases.split(",")]
+    rows = [bench_case(c, d, timer, device, ways) for d in args.dtypes.split(",") for c in args.cases.split(",")]
     if args.json:
         method = {"timer": timer_name, "units": "ms per pass (CUDA graph replays: device time), median, channels_last "
                                                 "inputs rotated past L2",
