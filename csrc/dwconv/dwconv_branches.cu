@@ -238,19 +238,20 @@ __device__ __forceinline__ void wgrad_row(const T* __restrict__ dy, const T* __r
       }
     }
   }
-  // Block sum per (tap, channel): the threads of one channel group sit `groups_in_block` apart.
+  // Block sum per (tap, channel): the threads of one channel group sit `groups_in_block` apart. red holds channel e of
+  // thread t at e * kThreads + t, so a warp's stores and loads fall in 32 different banks.
   const int groups_in_block = kThreads / slots;
   const int gi = threadIdx.x % groups_in_block;
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     __syncthreads();
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) red[threadIdx.x * VEC + e] = acc[j][e];
+    for (int e = 0; e < VEC; ++e) red[e * kThreads + threadIdx.x] = acc[j][e];
     __syncthreads();
     if (slot == 0 && active) {
       for (int e = 0; e < VEC; ++e) {
         float s = 0.f;
-        for (int t = 0; t < slots; ++t) s += red[(gi + t * groups_in_block) * VEC + e];
+        for (int t = 0; t < slots; ++t) s += red[e * kThreads + gi + t * groups_in_block];
         atomicAdd(dw + int64_t(i * K + j) * g.C + c + e, s);
       }
     }
