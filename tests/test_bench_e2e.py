@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import timm
+import torch
 
 from lkcnn.bench import e2e
+from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.bench.profile import OTHER, category
 
 # kernel names as torch.profiler reports them in a compiled RepLKNet-31B step on an H100
@@ -106,3 +109,43 @@ def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
         e2e.measure(variants, 1, batch=2, steps=1, warmup=1)
     assert capsys.readouterr().err.splitlines() == ["lkcnn-bench e2e: net: a: 1200.0 images/s",
                                                     "lkcnn-bench e2e: net: b: 300.0 images/s"]
+
+
+class _Stem(torch.nn.Module):
+    """An image (1, 3, 8, 8) -> 4 channels, then `body`."""
+
+    def __init__(self, *body: torch.nn.Module) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 1)
+        self.body = torch.nn.Sequential(*body)
+
+    def forward(self, x):
+        return self.body(self.stem(x))
+
+
+def test_norm_floor_counts_each_kind_and_fuses_activations_beside_a_norm():
+    s = 4 * 8 * 8 * 2 * 10 / 1e9  # one layer's output: 4 channels of 8x8, 2 bytes, batch 10
+    floor = e2e.norm_floor_gb(_Stem(torch.nn.BatchNorm2d(4), torch.nn.ReLU()), batch=10, image=8)
+    assert floor == pytest.approx({"BatchNorm": 8 * s})  # the ReLU after the BatchNorm is part of its apply
+    gemm_gelu = _Stem(torch.nn.Conv2d(4, 4, 1), torch.nn.GELU(), torch.nn.Conv2d(4, 4, 1), torch.nn.GELU(),
+                      timm.layers.LayerNorm2d(4))
+    # the first GELU sits between two convolutions; the second feeds a norm, whose passes take it
+    assert e2e.norm_floor_gb(gemm_gelu, batch=10, image=8) == pytest.approx({"activation": 5 * s, "LayerNorm": 5 * s})
+
+
+def test_norm_floor_lets_a_blocks_summed_branch_norms_share_their_apply():
+    s = 8 * 16 * 16 * 2 * 3 / 1e9
+    block = ReparamLargeKernelConv(8, 7, small_kernel=3)  # large and small branch, two BatchNorms summed
+    model = _Stem()
+    model.stem, model.body = torch.nn.Conv2d(3, 8, 1), torch.nn.Sequential(block, torch.nn.ReLU())
+    assert e2e.norm_floor_gb(model, batch=3, image=16) == pytest.approx({"BatchNorm": (5 * 2 + 3) * s})
+
+
+def test_compare_table_prints_the_norm_floor_at_the_measured_bandwidth(monkeypatch):
+    monkeypatch.setattr(e2e.torch.cuda, "get_device_name", lambda: "NVIDIA H100")
+    row = {"network": "replknet31b", "images_per_s": 1000.0, "ratio_to_convnext_base": 1.0, "step_ms": 64.0,
+           "gpu_busy_ms": 50.0, "gpu_ms_by_category": {"optimizer": 1.0}, "norm_floor_gb": {"BatchNorm": 30.0}}
+    args = argparse.Namespace(compare="convnext_base", batch=64, compile="reduce-overhead", channels_last=True,
+                              cuda_graph=False, copy_gbps=3000.0)
+    line = next(ln for ln in e2e.compare_table([row], args).splitlines() if ln.startswith("norm/activation floor"))
+    assert "(3.0 TB/s)" in line and line.split()[-1] == "10.00"  # 30 GB at 3000 GB/s

@@ -19,6 +19,7 @@ from typing import Any
 import timm
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lkcnn import timing
 from lkcnn.bench.profile import by_category, profile_kernels
@@ -137,6 +138,84 @@ def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, ch
     return f"{table}\nper step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms (kernels, summed)"
 
 
+# ----------------------------------------------------------------------------------------------- floors
+# How many times a training step moves the output (S bytes) of a normalization or activation layer at the least, when
+# the GEMMs and convolutions around it cannot take it in (cuBLAS's, cuDNN's and lkcnn's kernels have no such prologue
+# or epilogue) and no kernel holds a tensor across a grid-wide barrier:
+# - BatchNorm in training: 3S forward (the statistics read S; the apply reads S and writes S), 5S backward (the
+#   reduction reads dy and x; the apply reads both and writes dx). n BatchNorms whose outputs a block sums (its
+#   parallel branches) share the apply: (5n + 3)S.
+# - LayerNorm: 2S forward, 3S backward (a pixel's statistics come with its one read).
+# - UniRepLKNet's GRN (a per-channel L2 norm over the map, then an apply): as a BatchNorm.
+# - An activation between two GEMMs (ConvNeXt's GELU): 2S forward, 3S backward. Right before or after a
+#   normalization it is part of that normalization's passes.
+NORM_PASSES = {"BatchNorm": 8, "LayerNorm": 5, "GRN": 8, "activation": 5}
+_NORMS = ("BatchNorm", "LayerNorm", "GRN")
+
+
+def _norm_kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "BatchNorm"
+    if isinstance(module, nn.LayerNorm) or "LayerNorm" in type(module).__name__:  # timm's LayerNorm2d too
+        return "LayerNorm"
+    if "GRN" in type(module).__name__:
+        return "GRN"
+    if isinstance(module, (nn.GELU, nn.ReLU, nn.SiLU)) or type(module).__name__ in ("GELU", "GELUTanh"):
+        return "activation"
+    return None
+
+
+def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int = 2) -> dict[str, float]:
+    """The least GB a training step of `model` (batch `batch`, `itemsize`-byte activations) moves in its
+    normalization and activation passes (NORM_PASSES), by kind, from one image's forward on the model's device."""
+    from lkcnn.layers import ReparamLargeKernelConv
+    from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
+    group_of = {id(bn): id(block) for block in model.modules()
+                if isinstance(block, (ReparamLargeKernelConv, DilatedReparamBlock))
+                for bn in block.modules() if _norm_kind(bn) == "BatchNorm"}
+    scale = itemsize * batch / 1e9
+    gb: dict[str, float] = {}
+    groups: dict[int, list[float]] = {}  # summed BatchNorms: [count, GB of one output]
+    state: dict[str, Any] = {"previous": None, "pending": 0.0}  # pending: an activation's GB unless a norm follows
+
+    def add(kind: str, value: float) -> None:
+        gb[kind] = gb.get(kind, 0.0) + value
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        kind = _norm_kind(module)
+        if kind != "activation" and kind not in _NORMS:
+            add("activation", state["pending"])
+        if kind != "activation":
+            state["pending"] = 0.0
+        if kind == "activation" and state["previous"] not in _NORMS:
+            state["pending"] = NORM_PASSES[kind] * out.numel() * scale
+        elif id(module) in group_of:
+            group = groups.setdefault(group_of[id(module)], [0, out.numel() * scale])
+            group[0] += 1
+        elif kind in _NORMS:
+            add(kind, NORM_PASSES[kind] * out.numel() * scale)
+        state["previous"] = kind
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(torch.randn(1, 3, image, image, device=next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    add("activation", state["pending"])
+    for count, size in groups.values():
+        add("BatchNorm", (5 * count + 3) * size)
+    return {kind: value for kind, value in gb.items() if value}
+
+
+def copy_bandwidth_gbps(gib: int = 1) -> float:
+    """This GPU's device-to-device copy rate, GB/s counting bytes read and written (median of 20 copies)."""
+    src = torch.empty(gib << 28, device="cuda")  # gib GiB of float32
+    dst = torch.empty_like(src)
+    ms = timing.median_ms(lambda: dst.copy_(src), reps=20, warmup=3)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
 # ----------------------------------------------------------------------------------------------- the run
 def jobs(models: Sequence[str], runs: Sequence[str]) -> dict[str, Job]:
     """The variants to time, by label: each of `runs` for lkcnn's models (the 3x3 ones for RepLKNet only), one run
@@ -175,11 +254,13 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
             if key == "torch3" and not model.startswith("replknet"):
                 continue
             _, impl, kwargs = VARIANTS[key]
+            floor = norm_floor_gb(timm.create_model(model, **kwargs), common["batch"])
             rows.append({"network": model if key == "auto" else f"{model} 3x3", "model": model, "variant": key,
-                         **step_report(model, impl, channels_last=True, **common, **kwargs)})
+                         **step_report(model, impl, channels_last=True, **common, **kwargs), "norm_floor_gb": floor})
             _progress(rows[-1])
     rows.append({"network": peer, "model": peer, "variant": "timm",
-                 **step_report(peer, "torch", channels_last=True, **common)})
+                 **step_report(peer, "torch", channels_last=True, **common),
+                 "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])})
     _progress(rows[-1])
     peer_ips = rows[-1]["images_per_s"]
     twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "torch3"}
@@ -208,6 +289,10 @@ def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for cat in categories:
         cells = (row["gpu_ms_by_category"].get(cat) for row in rows)
         lines.append(f"{cat:44s}" + "".join(f"{c:20.2f}" if c is not None else f"{'-':>20s}" for c in cells))
+    if "copy_gbps" in args and all("norm_floor_gb" in row for row in rows):
+        label = f"norm/activation floor ({args.copy_gbps / 1e3:.1f} TB/s)"
+        lines.append(f"{label:44s}" + "".join(f"{sum(row['norm_floor_gb'].values()) / args.copy_gbps * 1e3:20.2f}"
+                                               for row in rows))
     return "\n".join(lines)
 
 
@@ -292,11 +377,14 @@ def main(argv: Sequence[str]) -> None:
         args.compile, args.channels_last = args.compile or COMPILE_MODE, True
         rows = compare(args.models, args.compare, batch=args.batch, steps=args.steps, warmup=args.warmup,
                        compile=args.compile)
+        args.copy_gbps = copy_bandwidth_gbps()
         print(compare_table(rows, args))
         if args.json:
             method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized; categories: "
                                "torch.profiler kernel times over 5 more steps",
                       "units": "training images/s (forward, backward, AdamW step); GPU ms per step",
+                      "norm_floor_gb": "least GB of the normalization/activation passes per step, by kind "
+                                       "(lkcnn.bench.e2e.NORM_PASSES)", "copy_gbps": args.copy_gbps,
                       "batch": args.batch, "regime": regime(args), "dtype": "bf16 autocast"}
             write_record(args.json, make_record("train_e2e_compare", torch.device("cuda"),
                                                 command_line(["e2e", *argv]), method, rows))
