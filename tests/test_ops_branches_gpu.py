@@ -24,9 +24,10 @@ BRANCH_SETS = {
 }
 # (N, C, H, W): RepLKNet-31B's stage 3 and 4 maps, a map narrower than a thread's 4 columns, odd sizes, a map
 # smaller than the dilated branches' span, many channel groups per pixel, a map of several tiles each way with a
-# partly filled last channel block (5 bf16 / 10 fp32 channel groups).
+# partly filled last channel block (5 bf16 / 10 fp32 channel groups), and channel counts whose groups do not divide
+# the weight gradient's 256 threads (UniRepLKNet-S's 192 and 384: 24 and 48 bf16 groups, 48 and 96 fp32 groups).
 SHAPES = [(4, 64, 14, 14), (3, 32, 7, 7), (2, 16, 5, 3), (2, 24, 13, 11), (2, 8, 3, 4), (1, 2048, 6, 9),
-          (2, 40, 19, 37)]
+          (2, 40, 19, 37), (2, 192, 9, 8), (2, 384, 7, 7)]
 
 
 @pytest.fixture(autouse=True)

@@ -196,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, 2) branches_conv_kernel(Ptrs<T> p, c
 // added to dw (the branch's rows of the table).
 template <int K, int R, typename T>
 __device__ __forceinline__ void wgrad_row(const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw,
-                                          const Geom& g, int i, int64_t row_begin, int64_t row_end, int c, int slot,
-                                          int slots, bool active, float* red) {
+                                          const Geom& g, int i, int64_t row_begin, int64_t row_end, int c, int gi,
+                                          int groups_in_block, int slot, int slots, bool active, float* red) {
   constexpr int P = R * (K - 1) / 2, WIN = kV + R * (K - 1), VEC = Vec<T>::n;
   float acc[K][VEC];
 #pragma unroll
@@ -238,10 +238,9 @@ __device__ __forceinline__ void wgrad_row(const T* __restrict__ dy, const T* __r
       }
     }
   }
-  // Block sum per (tap, channel): the threads of one channel group sit `groups_in_block` apart. red holds channel e of
-  // thread t at e * kThreads + t, so a warp's stores and loads fall in 32 different banks.
-  const int groups_in_block = kThreads / slots;
-  const int gi = threadIdx.x % groups_in_block;
+  // Block sum per (tap, channel): the threads of channel group gi are gi + t * groups_in_block, t < slots (the kernel's
+  // split, which kThreads / slots does not give back where groups_in_block does not divide kThreads). red holds
+  // channel e of thread t at e * kThreads + t, so a warp's stores and loads fall in 32 different banks.
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     __syncthreads();
@@ -291,8 +290,8 @@ __global__ void __launch_bounds__(kThreads, 2) branches_wgrad_kernel(Ptrs<T> p, 
   int next = 0;
 #define LKCNN_CASE(K, R)                                                                                     \
   if (br.code[b] == next++)                                                                                  \
-    return wgrad_row<K, R>(p.src[b], p.src[kMaxBranches - 1], dwb, g, i, row_begin, row_end, c, slot, slots, \
-                           active, red);
+    return wgrad_row<K, R>(p.src[b], p.src[kMaxBranches - 1], dwb, g, i, row_begin, row_end, c, gi,          \
+                           groups_in_block, slot, slots, active, red);
   LKCNN_BRANCH_SHAPES(LKCNN_CASE)
 #undef LKCNN_CASE
 }
