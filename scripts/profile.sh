@@ -17,8 +17,13 @@ if [ "${1:-}" = branches ]; then
   ncu_run 3 3 python3 - "${2:-unireplknet_b s3 k13}" >"$OUT/ncu.txt" 2>&1 <<'PY'
 import sys, torch
 from lkcnn.bench import branches
+from lkcnn.ops.dwconv_branches import uses_kernels
+if sys.argv[1] not in branches.CASES:
+    sys.exit(f"unknown case {sys.argv[1]!r}: choose from {', '.join(branches.CASES)}")
 nchw, pairs = branches.CASES[sys.argv[1]]
 s = branches._inputs(nchw, pairs, torch.bfloat16, torch.device("cuda"))
+if not uses_kernels(s["x"], [k for k, _ in pairs], [r for _, r in pairs]):
+    sys.exit("the branch kernels do not take this input (is the extension built? python -m lkcnn.ops.build)")
 for _ in range(2):  # fwd, input gradient, weight gradient, twice: the second round is profiled
     for fn in branches.passes("lkcnn_branches", pairs).values():
         fn(s)
@@ -37,5 +42,7 @@ for _ in range(2):
 torch.cuda.synchronize()
 PY
 fi
-echo "ncu rc=$? -> $OUT/ncu.txt"
+rc=$?
+echo "ncu rc=$rc -> $OUT/ncu.txt"
+[ "$rc" = 0 ] || tail -5 "$OUT/ncu.txt"
 grep -E "dwconv_|branches_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Block Limit|L1/TEX Hit|L2 Hit|stalled" "$OUT/ncu.txt" | head -${NCU_LINES:-80}

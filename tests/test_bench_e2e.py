@@ -7,6 +7,7 @@ import argparse
 import pytest
 import timm
 import torch
+from timm.layers.grn import GlobalResponseNorm
 
 from lkcnn.bench import e2e
 from lkcnn.layers import ReparamLargeKernelConv
@@ -131,6 +132,25 @@ def test_norm_floor_counts_each_kind_and_fuses_activations_beside_a_norm():
                       timm.layers.LayerNorm2d(4))
     # the first GELU sits between two convolutions; the second feeds a norm, whose passes take it
     assert e2e.norm_floor_gb(gemm_gelu, batch=10, image=8) == pytest.approx({"activation": 5 * s, "LayerNorm": 5 * s})
+
+
+def test_norm_floor_counts_a_last_activation_and_norm_modules_with_children():
+    s = 4 * 8 * 8 * 2 * 10 / 1e9
+    assert e2e.norm_floor_gb(_Stem(torch.nn.GELU()), batch=10, image=8) == pytest.approx({"activation": 5 * s})
+    # timm's BatchNorm with its activation as a child: one BatchNorm; a Dropout between a norm and its activation
+    # moves nothing; timm's GRN (after a GELU, which its passes take in) counts as a BatchNorm does
+    bn_act = _Stem(timm.layers.BatchNormAct2d(4), torch.nn.Dropout(0.0), torch.nn.ReLU())
+    assert e2e.norm_floor_gb(bn_act, batch=10, image=8) == pytest.approx({"BatchNorm": 8 * s})
+    grn = _Stem(torch.nn.GELU(), GlobalResponseNorm(4, channels_last=False))
+    assert e2e.norm_floor_gb(grn, batch=10, image=8) == pytest.approx({"GRN": 8 * s})
+
+
+def test_norm_floor_leaves_the_model_as_it_was_under_any_conv_policy(monkeypatch):
+    monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")  # the floor's forward runs on the CPU, on PyTorch's convolutions
+    model = _Stem(ReparamLargeKernelConv(4, 7, small_kernel=3), torch.nn.BatchNorm2d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert e2e.norm_floor_gb(model, batch=2, image=8)
+    assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_norm_floor_lets_a_blocks_summed_branch_norms_share_their_apply():

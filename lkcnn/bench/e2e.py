@@ -151,14 +151,15 @@ def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, ch
 #   normalization it is part of that normalization's passes.
 NORM_PASSES = {"BatchNorm": 8, "LayerNorm": 5, "GRN": 8, "activation": 5}
 _NORMS = ("BatchNorm", "LayerNorm", "GRN")
+_NO_OPS = (nn.Identity, nn.Dropout, nn.Flatten)  # leaves that move no data between a norm and its activation
 
 
 def _norm_kind(module: nn.Module) -> str | None:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):  # timm's BatchNormAct2d too
         return "BatchNorm"
     if isinstance(module, nn.LayerNorm) or "LayerNorm" in type(module).__name__:  # timm's LayerNorm2d too
         return "LayerNorm"
-    if "GRN" in type(module).__name__:
+    if "GRN" in type(module).__name__ or "GlobalResponseNorm" in type(module).__name__:
         return "GRN"
     if isinstance(module, (nn.GELU, nn.ReLU, nn.SiLU)) or type(module).__name__ in ("GELU", "GELUTanh"):
         return "activation"
@@ -167,13 +168,14 @@ def _norm_kind(module: nn.Module) -> str | None:
 
 def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int = 2) -> dict[str, float]:
     """The least GB a training step of `model` (batch `batch`, `itemsize`-byte activations) moves in its
-    normalization and activation passes (NORM_PASSES), by kind, from one image's forward on the model's device."""
+    normalization and activation passes (NORM_PASSES), by kind, from one forward of two images on the model's
+    device, in eval mode (the model's statistics stay as they were) and on PyTorch's convolutions."""
     from lkcnn.layers import ReparamLargeKernelConv
     from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
     group_of = {id(bn): id(block) for block in model.modules()
                 if isinstance(block, (ReparamLargeKernelConv, DilatedReparamBlock))
                 for bn in block.modules() if _norm_kind(bn) == "BatchNorm"}
-    scale = itemsize * batch / 1e9
+    scale = itemsize * batch / 2 / 1e9  # per image of the two
     gb: dict[str, float] = {}
     groups: dict[int, list[float]] = {}  # summed BatchNorms: [count, GB of one output]
     state: dict[str, Any] = {"previous": None, "pending": 0.0}  # pending: an activation's GB unless a norm follows
@@ -183,10 +185,13 @@ def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int 
 
     def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
         kind = _norm_kind(module)
-        if kind != "activation" and kind not in _NORMS:
+        if kind is None and isinstance(module, _NO_OPS):
+            return
+        if kind not in _NORMS:  # an activation or another layer: the activation before it was not a norm's
             add("activation", state["pending"])
-        if kind != "activation":
             state["pending"] = 0.0
+        else:
+            state["pending"] = 0.0  # the activation before this norm is part of its passes
         if kind == "activation" and state["previous"] not in _NORMS:
             state["pending"] = NORM_PASSES[kind] * out.numel() * scale
         elif id(module) in group_of:
@@ -195,11 +200,21 @@ def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int 
         elif kind in _NORMS:
             add(kind, NORM_PASSES[kind] * out.numel() * scale)
         state["previous"] = kind
-    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+
+    def hooked(module: nn.Module) -> list[nn.Module]:  # a norm, or a leaf outside any norm
+        children = list(module.children())
+        if _norm_kind(module) in _NORMS or not children:
+            return [module]
+        return [m for child in children for m in hooked(child)]
+    from lkcnn.ops import use_conv_impl
+    handles = [m.register_forward_hook(hook) for m in hooked(model)]
+    training = model.training
+    parameter = next(model.parameters(), None)
     try:
-        with torch.no_grad():
-            model(torch.randn(1, 3, image, image, device=next(model.parameters()).device))
+        with torch.no_grad(), use_conv_impl("torch"):
+            model.eval()(torch.randn(2, 3, image, image, device=None if parameter is None else parameter.device))
     finally:
+        model.train(training)
         for h in handles:
             h.remove()
     add("activation", state["pending"])
