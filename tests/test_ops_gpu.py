@@ -38,6 +38,8 @@ def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
         wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device).normal_()
         wide[..., ::2] = t
         return wide[..., ::2]
+    if layout == "column_stride":  # a map one column wide whose column stride is not 1, contiguous to PyTorch
+        return t.transpose(2, 3).contiguous().transpose(2, 3)
     if layout == "offset":  # contiguous, but its storage starts one element in: pointers not 16-byte aligned
         buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
         buf[1:].copy_(t.flatten())
@@ -125,6 +127,15 @@ def test_unaligned_storage(dtype):
     narrower accesses instead of faulting or misreading."""
     for shape, k in [((4, 3, 32, 32), 31), ((2, 2, 28, 28), 29), ((32, 2, 14, 14), 27), ((40, 2, 32, 32), 31)]:
         check_case(*shape, k, k, dtype, "offset")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_column_maps_with_any_column_stride(dtype):
+    """A (N, C, H, 1) map is contiguous whatever its column stride: every kernel path takes it as it is."""
+    for shape, k in [((2, 4, 9, 1), 13), ((8, 2, 20, 1), 7)]:
+        x = _layout(torch.zeros(shape, device="cuda"), "column_stride")
+        assert x.is_contiguous() and x.stride(3) != 1
+        check_case(*shape, k, k, dtype, "column_stride")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

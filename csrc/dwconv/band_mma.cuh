@@ -157,7 +157,8 @@ __device__ __forceinline__ void copy_rows(int planes, int rows, int cols, int le
 
 // The widest access (8, 4 or 2 elements, else 1) that t's rows allow (rows_allow; t has contiguous rows, checked).
 inline int row_vector(const at::Tensor& t) {
-  TORCH_CHECK(t.stride(3) == 1, "lkcnn dwconv2d: the tensor-core kernels take tensors with contiguous rows");
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1,
+              "lkcnn dwconv2d: the tensor-core kernels take tensors with contiguous rows");
   for (const int v : {8, 4, 2})
     if (rows_allow(t, v)) return v;
   return 1;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 
 namespace lkcnn {
 
@@ -36,10 +37,11 @@ LKCNN_HOST_DEVICE inline int round_up_nonneg(int x, int m) { return x <= 0 ? 0 :
 
 ConvGeom make_geom(const at::Tensor& a, const at::Tensor& b, int64_t kh, int64_t kw, int64_t ph, int64_t pw);
 
-// Whether every row of t (N, C, H, W) splits into aligned accesses of v elements: unit column stride, the width and
-// the row, channel and sample strides multiples of v, the data aligned to v elements.
+// Whether every row of t (N, C, H, W) splits into aligned accesses of v elements: unit column stride (any stride for
+// maps one column wide, which PyTorch calls contiguous whatever it is), the width and the row, channel and sample
+// strides multiples of v, the data aligned to v elements.
 inline bool rows_allow(const at::Tensor& t, int64_t v) {
-  return t.stride(3) == 1 && t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 &&
+  return (t.stride(3) == 1 || t.size(3) == 1) && t.size(3) % v == 0 && t.stride(2) % v == 0 && t.stride(1) % v == 0 &&
          t.stride(0) % v == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (v * t.element_size()) == 0;
 }
 
@@ -56,12 +58,20 @@ void launch_dwconv_wgrad(const at::Tensor& grad_out, const at::Tensor& x, at::Te
 void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at::Tensor& dw, int64_t ph,
                             int64_t pw);
 
-// fp16/bf16 maps up to 16 x 16: all three passes as dense products of whole rows on the tensor cores; maps up to
-// 32 x 32 (map_tc_wide_fits): the forward (dwconv_map_tc.cu).
+// The most shared memory one block may ask for on a device (-1: the current one): 227 KB on Hopper, 163 KB on A100,
+// 99 KB on sm_86/89. The *_fits checks turn down a kernel whose launch would need more (the tiled kernels fit all).
+inline int smem_limit(int device = -1) {
+  return int(at::cuda::getDeviceProperties(device < 0 ? c10::cuda::current_device() : device)->sharedMemPerBlockOptin);
+}
+
+// fp16/bf16 maps up to 16 x 16: all three passes as dense products of whole rows on the tensor cores
+// (map_tc_wgrad_fits: the weight gradient's kernel rows fit in shared memory); maps up to 32 x 32 (map_tc_wide_fits):
+// the forward (dwconv_map_tc.cu).
 // w: (C, 1, kh, kw) contiguous in x's dtype, flipped by the kernel where flip. dw: fp32 (C, kh, kw) that blocks add to
 // (zero-initialised by the caller), or, where map_tc_single_block, (C, 1, kh, kw) in x's dtype that they write.
 bool map_tc_fits(const at::Tensor& t);
-bool map_tc_wide_fits(const at::Tensor& t);
+bool map_tc_wgrad_fits(const at::Tensor& t, int64_t kh);
+bool map_tc_wide_fits(const at::Tensor& t, int64_t kh, int64_t kw);
 bool map_tc_single_block(const at::Tensor& t);
 void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
                               int64_t ph, int64_t pw, bool flip);

@@ -49,7 +49,7 @@ std::pair<int64_t, int64_t> check_kernel(const at::Tensor& w, int64_t C, int64_t
 // fp16/bf16).
 enum class Path { map_tc, small, strip, tiled };
 Path path_for(const at::Tensor& x, int64_t kh, int64_t kw, bool forward) {
-  if (map_tc_fits(x) || (forward && map_tc_wide_fits(x))) return Path::map_tc;
+  if (forward ? map_tc_fits(x) || map_tc_wide_fits(x, kh, kw) : map_tc_wgrad_fits(x, kh)) return Path::map_tc;
   if (small_map_fits(x, kw)) return Path::small;
   if (forward && strip_fits(x, kh, kw)) return Path::strip;
   return Path::tiled;

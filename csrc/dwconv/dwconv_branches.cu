@@ -300,8 +300,9 @@ int vec_for(at::ScalarType t) { return t == at::kFloat ? 4 : 8; }
 
 void check_input(const at::Tensor& t, const at::Tensor& ref, const char* what) {
   TORCH_CHECK(t.is_cuda() && t.device() == ref.device() && t.scalar_type() == ref.scalar_type() &&
-                  t.sizes() == ref.sizes() && t.is_contiguous(at::MemoryFormat::ChannelsLast),
-              what, ": every tensor must be a channels_last CUDA tensor of x's shape, dtype and device");
+                  t.sizes() == ref.sizes() && t.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+                  reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0,
+              what, ": every tensor must be a channels_last CUDA tensor of x's shape, dtype and device, 16-byte aligned");
 }
 
 Branches make_branches(const std::vector<int64_t>& ks, const std::vector<int64_t>& rs) {
@@ -402,7 +403,8 @@ Branches checked(const at::Tensor& ref, const std::vector<at::Tensor>& per_branc
   int64_t taps = 0;
   for (auto k : ks) taps += k * k;
   TORCH_CHECK(w == nullptr || (w->is_cuda() && w->scalar_type() == ref.scalar_type() && w->is_contiguous() &&
-                               w->dim() == 2 && w->size(0) == taps && w->size(1) == ref.size(1)),
+                               w->dim() == 2 && w->size(0) == taps && w->size(1) == ref.size(1) &&
+                               reinterpret_cast<uintptr_t>(w->const_data_ptr()) % 16 == 0),
               what, ": the weights must be a (taps, C) table in x's dtype");
   return make_branches(ks, rs);
 }

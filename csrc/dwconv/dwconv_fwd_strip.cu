@@ -179,9 +179,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2) dwconv_fwd_strip_kernel(
 
 }  // namespace
 
+int strip_smem(int64_t kh) { return int(sizeof(float)) * (kSmemFloats + int(kh) * 32); }  // 111 KB at kh 31
+
 bool strip_fits(const at::Tensor& t, int64_t kh, int64_t kw) {
   return t.scalar_type() == at::kFloat && t.size(3) > 32 && t.size(3) <= kStrips * kSW && kw >= 25 &&
-         kw <= 2 * kReach + 1 && kh <= 2 * kReach + 1 && t.size(0) >= kSamples;
+         kw <= 2 * kReach + 1 && kh <= 2 * kReach + 1 && t.size(0) >= kSamples &&
+         strip_smem(kh) <= smem_limit(t.get_device());
 }
 
 void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
@@ -192,7 +195,7 @@ void launch_dwconv_fwd_strip(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(strip_fits(x, g.kh, g.kw), "launch_dwconv_fwd_strip: fp32 maps 33-56 wide, kernels 25-31 wide");
   const int64_t blocks = g.C * ((g.N + kSamples - 1) / kSamples);
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d: too many (n, c) planes for one launch");
-  const int smem = int(sizeof(float)) * (kSmemFloats + g.kh * 32);
+  const int smem = strip_smem(g.kh);
   constexpr auto kernel = dwconv_fwd_strip_kernel;
   allow_dynamic_smem<kernel>(smem);
   kernel<<<unsigned(blocks), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(

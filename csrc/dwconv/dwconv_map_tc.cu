@@ -382,6 +382,13 @@ struct FwdCall {
   }
 };
 
+// The dynamic shared memory of the weight gradient's and the wide forward's launches (16-bit elements): up to 179 KB.
+int wgrad_smem(int H, int kh) { return int(2 * kChunk * sample_elems(H, kCols) * 2 + kWarps * kh * 32 * sizeof(float)); }
+int wide_fwd_smem(int H, int kh, int kw) {
+  return int(kWideChunk * sample_elems(H, kWideCols) * 2 +
+             kh * Slots<kWideCols / 16, kWideCols / 8>::kSlots * 32 * sizeof(uint2) + kh * kw * sizeof(float));
+}
+
 template <typename T>
 struct WgradCall {
   const at::Tensor &dy, &x;
@@ -390,7 +397,8 @@ struct WgradCall {
   template <int HM, int NB>
   void run() const {
     constexpr auto kernel = dwconv_wgrad_map_tc_kernel<T, HM, NB>;
-    const int smem = int(2 * kChunk * sample_elems(g.H, kCols) * sizeof(T) + kWarps * g.kh * 32 * sizeof(float));
+    static_assert(sizeof(T) == 2, "wgrad_smem counts 16-bit elements");
+    const int smem = wgrad_smem(g.H, g.kh);
     allow_dynamic_smem<kernel>(smem);
     const bool sums = dw.scalar_type() == at::kFloat;  // else the gradient itself, in T
     kernel<<<blocks(g), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -404,9 +412,8 @@ template <typename T>
 void run_fwd_wide(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y, const ConvGeom& g,
                   bool flip) {
   constexpr auto kernel = dwconv_fwd_map_tc_wide_kernel<T>;
-  const int smem = int(kWideChunk * sample_elems(g.H, kWideCols) * sizeof(T) +
-                       g.kh * Slots<kWideCols / 16, kWideCols / 8>::kSlots * 32 * sizeof(uint2) +
-                       g.kh * g.kw * sizeof(float));  // at most 179 KB (32 rows, 63 x 63)
+  static_assert(sizeof(T) == 2, "wide_fwd_smem counts 16-bit elements");
+  const int smem = wide_fwd_smem(g.H, g.kh, g.kw);  // at most 179 KB (32 rows, 63 x 63)
   allow_dynamic_smem<kernel>(smem);
   kernel<<<blocks(g, kWideChunk), 32 * kWarps, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.const_data_ptr<T>(), w.const_data_ptr<T>(), bias.defined() ? bias.const_data_ptr<float>() : nullptr,
@@ -427,8 +434,13 @@ bool map_tc_fits(const at::Tensor& t) {
   return t.scalar_type() != at::kFloat && t.size(2) <= 16 && t.size(3) <= kCols;
 }
 
-bool map_tc_wide_fits(const at::Tensor& t) {
-  return t.scalar_type() != at::kFloat && t.size(2) <= 32 && t.size(3) <= kWideCols;
+bool map_tc_wgrad_fits(const at::Tensor& t, int64_t kh) {
+  return map_tc_fits(t) && wgrad_smem(int(t.size(2)), int(kh)) <= smem_limit(t.get_device());
+}
+
+bool map_tc_wide_fits(const at::Tensor& t, int64_t kh, int64_t kw) {
+  return t.scalar_type() != at::kFloat && t.size(2) <= 32 && t.size(3) <= kWideCols &&
+         wide_fwd_smem(int(t.size(2)), int(kh), int(kw)) <= smem_limit(t.get_device());
 }
 
 bool map_tc_single_block(const at::Tensor& t) { return t.size(0) <= kChunk; }
@@ -440,7 +452,7 @@ void launch_dwconv_fwd_map_tc(const at::Tensor& x, const at::Tensor& w, const at
   const ConvGeom g = make_geom(x, y, w.size(-2), w.size(-1), ph, pw);
   if (g.N * g.C * g.H * g.W == 0) return;
   if (map_tc_fits(x)) return dispatch<FwdCall>(x, g, x, w, bias, y, flip);
-  TORCH_CHECK(map_tc_wide_fits(x), "launch_dwconv_fwd_map_tc: maps up to 32 x 32");
+  TORCH_CHECK(map_tc_wide_fits(x, g.kh, g.kw), "launch_dwconv_fwd_map_tc: maps up to 32 x 32 whose staging fits");
   check_tensor_cores();
   if (x.scalar_type() == at::kHalf) return run_fwd_wide<c10::Half>(x, w, bias, y, g, flip);
   run_fwd_wide<c10::BFloat16>(x, w, bias, y, g, flip);

@@ -271,7 +271,6 @@ int fwd_smem(int H, const Cols& L) { return int(sizeof(float)) * (kLanes * sampl
 int wgrad_smem(int H, int rc, const Cols& L) {
   return int(sizeof(float)) * kLanes * (sample_stride(H, L.LD) + sample_stride(rc, L.LD));
 }
-int smem_limit() { return int(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin); }
 
 // Rows of grad_out the weight gradient stages at a time: all where they fit beside x, else halves, quarters, ...
 int wgrad_rows(int H, const Cols& L) {
