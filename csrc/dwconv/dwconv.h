@@ -11,7 +11,6 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 
 namespace lkcnn {
 
@@ -60,9 +59,7 @@ void launch_dwconv_wgrad_tc(const at::Tensor& grad_out, const at::Tensor& x, at:
 
 // The most shared memory one block may ask for on a device (-1: the current one): 227 KB on Hopper, 163 KB on A100,
 // 99 KB on sm_86/89. The *_fits checks turn down a kernel whose launch would need more (the tiled kernels fit all).
-inline int smem_limit(int device = -1) {
-  return int(at::cuda::getDeviceProperties(device < 0 ? c10::cuda::current_device() : device)->sharedMemPerBlockOptin);
-}
+int smem_limit(int device = -1);  // dwconv_small.cu
 
 // fp16/bf16 maps up to 16 x 16: all three passes as dense products of whole rows on the tensor cores
 // (map_tc_wgrad_fits: the weight gradient's kernel rows fit in shared memory); maps up to 32 x 32 (map_tc_wide_fits):

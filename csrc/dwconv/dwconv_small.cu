@@ -354,6 +354,10 @@ struct WgradCall {
 
 }  // namespace
 
+int smem_limit(int device) {
+  return int(at::cuda::getDeviceProperties(device < 0 ? c10::cuda::current_device() : device)->sharedMemPerBlockOptin);
+}
+
 bool small_map_fits(const at::Tensor& t, int64_t kw) {
   const int64_t N = t.size(0), H = t.size(2), W = t.size(3);
   if (t.scalar_type() != at::kFloat || N < kLanes / 2 || H < 1 || W < 1 || H > 32 || W > 32) return false;  // at least half the lanes busy
