@@ -25,7 +25,9 @@ from lkcnn import timing
 from lkcnn.bench.profile import by_category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
-from lkcnn.ops import set_branch_kernels, set_conv_impl
+from lkcnn.layers import ReparamLargeKernelConv
+from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
+from lkcnn.ops import set_branch_kernels, set_conv_impl, use_conv_impl
 
 COMPILE_MODE = "reduce-overhead"  # the training app's module.compile=auto on a GPU
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
@@ -170,8 +172,6 @@ def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int 
     """The least GB a training step of `model` (batch `batch`, `itemsize`-byte activations) moves in its
     normalization and activation passes (NORM_PASSES), by kind, from one forward of two images on the model's
     device, in eval mode (the model's statistics stay as they were) and on PyTorch's convolutions."""
-    from lkcnn.layers import ReparamLargeKernelConv
-    from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
     group_of = {id(bn): id(block) for block in model.modules()
                 if isinstance(block, (ReparamLargeKernelConv, DilatedReparamBlock))
                 for bn in block.modules() if _norm_kind(bn) == "BatchNorm"}
@@ -187,11 +187,9 @@ def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int 
         kind = _norm_kind(module)
         if kind is None and isinstance(module, _NO_OPS):
             return
-        if kind not in _NORMS:  # an activation or another layer: the activation before it was not a norm's
+        if kind not in _NORMS:  # the activation before this layer was not a norm's; before a norm, it is part of it
             add("activation", state["pending"])
-            state["pending"] = 0.0
-        else:
-            state["pending"] = 0.0  # the activation before this norm is part of its passes
+        state["pending"] = 0.0
         if kind == "activation" and state["previous"] not in _NORMS:
             state["pending"] = NORM_PASSES[kind] * out.numel() * scale
         elif id(module) in group_of:
@@ -206,7 +204,6 @@ def norm_floor_gb(model: nn.Module, batch: int, image: int = 224, itemsize: int 
         if _norm_kind(module) in _NORMS or not children:
             return [module]
         return [m for child in children for m in hooked(child)]
-    from lkcnn.ops import use_conv_impl
     handles = [m.register_forward_hook(hook) for m in hooked(model)]
     training = model.training
     parameter = next(model.parameters(), None)
