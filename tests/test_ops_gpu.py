@@ -39,7 +39,8 @@ def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
         wide[..., ::2] = t
         return wide[..., ::2]
     if layout == "column_stride":  # a map one column wide whose column stride is not 1, contiguous to PyTorch
-        return t.transpose(2, 3).contiguous().transpose(2, 3)
+        t = t.contiguous()
+        return t.as_strided(t.shape, (*t.stride()[:3], 7))
     if layout == "offset":  # contiguous, but its storage starts one element in: pointers not 16-byte aligned
         buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
         buf[1:].copy_(t.flatten())
