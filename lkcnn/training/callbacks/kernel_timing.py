@@ -4,9 +4,9 @@ Every `every_n_steps` optimizer steps (after `warmup_steps`) the callback hooks 
 training batch, times its forward and its backward (CUDA events on a GPU, the wall clock on the CPU), removes the
 hooks, and reports one row per layer: scalars `kernel_ms/<layer>/fwd|bwd` (plus `kernel_ms/total/...`) to every
 logger, the table to loggers that take tables (W&B table, TensorBoard text), and the rows of all timed steps to
-`<dirpath>/kernel_timing.csv` and `.json`. Between timed steps no hook is installed, so training runs untouched. The blocks' small and dilated branches
-are not layers here: each block runs them in one `dwconv2d_branches` call on its branches' weights, so their modules'
-hooks never fire (`python -m lkcnn.bench branches` times them).
+`<dirpath>/kernel_timing.csv` and `.json`. Between timed steps no hook is installed, so training runs untouched.
+The blocks' small and dilated branches are not layers here: each block runs them in one `dwconv2d_branches` call on
+its branches' weights, so their modules' hooks never fire (`python -m lkcnn.bench branches` times them).
 One timed step is one sample of a noisy quantity (the CPU's wall clock especially): a fit that timed fewer than
 `MIN_SAMPLES` steps warns, and `python -m lkcnn.ablation` reports the mean, median, IQR and count over the samples.
 
