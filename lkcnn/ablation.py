@@ -6,8 +6,8 @@ outputs/multirun/<date>/<time>/<job>/), or a single run folder. Per job it reads
 - parameters (training form) and MACs (deployed form, one image at data.img_size): `lkcnn.info` on the job's model
   config from `.hydra/config.yaml`, computed on the meta device;
 - training images/s and the whole step's time at data.batch_size: `throughput.json` (callbacks/throughput);
-- large-kernel conv time per training step (forward + backward, summed over layers): mean, median, IQR and number
-  of the timed steps in `kernel_timing.json` (callbacks/kernel_timing), so a noisy timing shows as noisy.
+- large-kernel conv time per training step (forward + backward, summed over the large kernels and their blocks'
+  small / dilated branches): mean, median, IQR and number of the timed steps in `kernel_timing.json` (callbacks/kernel_timing), so a noisy timing shows as noisy.
 Missing pieces stay empty. Writes ablation.md (the table and notes on what the timing and EMA columns mean),
 ablation.csv and ablation.png (accuracy and step time against kernel size, accuracy against throughput) to --out
 (default RUN_DIR).
@@ -193,7 +193,8 @@ def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
     timed = [row for row in rows if row["kernel_ms_n"]]
     if timed:
         timers = sorted({row["timer"] for row in timed})
-        lines.append("kernel_ms: forward + backward of all large-kernel convs in one training step "
+        lines.append("kernel_ms: forward + backward of all large-kernel convs and their small / dilated branches in "
+                     "one training step "
                      f"({'; '.join(timers)}), mean over kernel_ms_n timed steps; kernel_ms_median and kernel_ms_iqr "
                      "(75th - 25th percentile) give their spread; kernel_fwd_ms / kernel_bwd_ms are the mean of each "
                      "direction. step_ms: the whole training step at data.batch_size, from images_per_s.")

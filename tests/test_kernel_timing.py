@@ -1,5 +1,6 @@
 """Kernel timing callback: on a tiny RepLKNet trained for a few CPU steps, the per-layer table (CSV, JSON, logger
-scalars, TensorBoard text) has one row per large-kernel conv per timed step with the layer's real kernel size,
+scalars, TensorBoard text) has one row per large-kernel conv and per block's branch call per timed step with the
+layer's real kernel size,
 input shape, dtype and implementation; the timer brackets the layer; no hook outlives a timed batch; a fit that
 timed too few steps for a mean says so."""
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lkcnn.layers import LargeKernelConv
+from lkcnn.layers import BranchConvs, LargeKernelConv
 from lkcnn.training import ClassificationModule, SyntheticDataModule
-from lkcnn.training.callbacks.kernel_timing import COLUMNS, MIN_SAMPLES, KernelTimingCallback
+from lkcnn.training.callbacks.kernel_timing import COLUMNS, MIN_SAMPLES, TIMED, KernelTimingCallback
 
 BATCH = 4
 SLEEP_S = 0.05
@@ -26,7 +27,7 @@ SLEEP_S = 0.05
 
 def hook_count(module: torch.nn.Module) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_pre_hooks) + len(m._backward_hooks)
-               for m in module.modules() if isinstance(m, LargeKernelConv))
+               for m in module.modules() if isinstance(m, TIMED))
 
 
 class HookProbe(L.Callback):
@@ -54,10 +55,10 @@ def tiny_module(kernel_sizes: list[int]) -> ClassificationModule:
 
 
 def expected_inputs(module: ClassificationModule, img_size: int) -> dict[str, str]:
-    """Input shape of every large-kernel conv of the trained network (not the EMA copy) for a training batch."""
+    """Input shape of every timed layer of the trained network (not the EMA copy) for a training batch."""
     shapes, handles = {}, []
     for name, m in module.named_modules():
-        if isinstance(m, LargeKernelConv) and name.startswith("model."):
+        if isinstance(m, TIMED) and name.startswith("model."):
             handles.append(m.register_forward_pre_hook(
                 lambda mod, args, name=name: shapes.__setitem__(name, "x".join(map(str, args[0].shape)))))
     with torch.no_grad():
@@ -96,12 +97,14 @@ def timed_run(tmp_path_factory):
 def test_table_has_one_row_per_layer_and_timed_step_with_its_real_shape(timed_run):
     module, rows = timed_run["module"], timed_run["rows"]
     assert timed_run["header"] == list(COLUMNS)
-    layers = {n: m for n, m in module.named_modules() if isinstance(m, LargeKernelConv) and n.startswith("model.")}
-    assert len(layers) >= 4
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, TIMED) and n.startswith("model.")}
+    branches = [n for n, m in layers.items() if isinstance(m, BranchConvs)]
+    assert len(layers) >= 8 and len(branches) == len(layers) // 2  # a 3x3 branch beside every large kernel
     assert sorted((int(r["step"]), r["layer"]) for r in rows) == sorted((s, n) for s in (0, 2) for n in layers)
     for row in rows:
         layer = layers[row["layer"]]
-        assert row["kernel_size"] == f"{layer.kernel_size[0]}x{layer.kernel_size[1]}"
+        size = "3x3" if isinstance(layer, BranchConvs) else f"{layer.kernel_size[0]}x{layer.kernel_size[1]}"
+        assert row["kernel_size"] == size
         assert row["input_shape"] == timed_run["inputs"][row["layer"]]
         assert row["dtype"] == "float32" and row["implementation"] == "torch"  # CPU: PyTorch's convolution
         assert float(row["fwd_ms"]) > 0 and float(row["bwd_ms"]) > 0

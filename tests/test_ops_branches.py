@@ -82,11 +82,11 @@ def test_bad_arguments_are_one_line_errors(args, message):
 
 def test_replknet_block_runs_its_small_branch_through_the_op(monkeypatch):
     """The training block sends its 5x5 branch through dwconv2d_branches, and its output is the branches' sum."""
-    import lkcnn.layers.reparam_conv as reparam_conv
+    import lkcnn.layers.branch_convs as branch_convs
 
     calls = []
-    real = reparam_conv.dwconv2d_branches
-    monkeypatch.setattr(reparam_conv, "dwconv2d_branches", lambda *a: calls.append(a) or real(*a))
+    real = branch_convs.dwconv2d_branches
+    monkeypatch.setattr(branch_convs, "dwconv2d_branches", lambda *a: calls.append(a) or real(*a))
     block = ReparamLargeKernelConv(8, 13, small_kernel=5).double().eval()
     for bn in (block.lkb_origin.bn, block.small_conv.bn):
         bn.running_mean.normal_()

@@ -1,5 +1,6 @@
 """lkcnn.layers: the large-kernel conv module, its re-parameterizable forms, and RepLKNet blocks."""
 from .blocks import ConvFFN, RepLKBlock
+from .branch_convs import BranchConvs
 from .conv_bn import conv_bn, lk_conv_bn
 from .decomposed_conv import DecomposedLargeKernelConv
 from .fuse import dilate_kernel, fuse_bn, pad_to
@@ -11,7 +12,7 @@ REPARAM_LAYERS = (ReparamLargeKernelConv, DecomposedLargeKernelConv)
 `training_form()`."""
 
 __all__ = [
-    "REPARAM_LAYERS", "ConvFFN", "DecomposedLargeKernelConv", "LargeKernelConv", "RepLKBlock",
+    "REPARAM_LAYERS", "BranchConvs", "ConvFFN", "DecomposedLargeKernelConv", "LargeKernelConv", "RepLKBlock",
     "ReparamLargeKernelConv", "UNIREPLKNET_DILATED_BRANCHES", "conv_bn", "dilate_kernel", "fuse_bn", "lk_conv_bn",
     "pad_to", "resolve_dilated_branches", "to_kernel_size",
 ]

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from lkcnn.ops import dwconv2d_branches
-
+from .branch_convs import BranchConvs
 from .conv_bn import conv_bn, lk_conv_bn
 from .fuse import merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
@@ -72,6 +71,13 @@ class ReparamLargeKernelConv(nn.Module):
             self.small_conv.add_module("bn", nn.BatchNorm2d(channels))
         self.dilated = nn.ModuleDict({f"k{k}_r{r}": conv_bn(channels, channels, k, groups=channels, dilation=r)
                                       for k, r in self.dilated_branches})
+        small = self.branches()[1:]
+        # the small and dilated branches in one call: one pass over x on a GPU (lkcnn.ops.dwconv2d_branches); the
+        # op takes square kernels, a rectangular small kernel runs as its own conv
+        self.branch_convs = None
+        if small and all(b.conv.kernel_size[0] == b.conv.kernel_size[1] for b in small):
+            self.branch_convs = BranchConvs([b.conv.kernel_size[0] for b in small],
+                                            [b.conv.dilation[0] for b in small])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.deploy:
@@ -80,10 +86,9 @@ class ReparamLargeKernelConv(nn.Module):
         small = self.branches()[1:]
         if not small:
             return out
-        if all(b.conv.kernel_size[0] == b.conv.kernel_size[1] for b in small):
-            # the small and dilated branches in one call: one pass over x on a GPU (lkcnn.ops.dwconv2d_branches)
-            ys = dwconv2d_branches(x, [b.conv.weight for b in small], [b.conv.dilation[0] for b in small])
-        else:  # a rectangular small kernel: the op takes square ones
+        if self.branch_convs is not None:
+            ys = self.branch_convs(x, *[b.conv.weight for b in small])
+        else:
             ys = [b.conv(x) for b in small]
         for branch, y in zip(small, ys):
             out = out + branch.bn(y)
@@ -105,7 +110,7 @@ class ReparamLargeKernelConv(nn.Module):
         if self.deploy:
             return
         self.lkb_reparam = LargeKernelConv.from_kernel(*self.get_equivalent_kernel_bias())
-        del self.lkb_origin, self.small_conv, self.dilated
+        del self.lkb_origin, self.small_conv, self.dilated, self.branch_convs
         self.deploy = True
 
     def training_form(self) -> ReparamLargeKernelConv:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lkcnn.ops import dwconv2d_branches
 
+from .branch_convs import BranchConvs
 from .fuse import merge_branches
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
 from .reparam_conv import resolve_dilated_branches
@@ -57,13 +58,14 @@ class DilatedReparamBlock(nn.Module):
         for k, r in self.branches:
             self.add_module(f"dil_conv_k{k}_{r}", DilatedDWConv(channels, k, r))
             self.add_module(f"dil_bn_k{k}_{r}", nn.BatchNorm2d(channels))
+        self.branch_convs = BranchConvs([k for k, _ in self.branches], [r for _, r in self.branches])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.deploy:
             return self.lk_origin(x)
         out = self.origin_bn(self.lk_origin(x))
         convs = [getattr(self, f"dil_conv_k{k}_{r}") for k, r in self.branches]
-        ys = dwconv2d_branches(x, [conv.weight for conv in convs], [r for _, r in self.branches])
+        ys = self.branch_convs(x, *[conv.weight for conv in convs])
         for (k, r), y in zip(self.branches, ys):
             out = out + getattr(self, f"dil_bn_k{k}_{r}")(y)
         return out
@@ -81,7 +83,7 @@ class DilatedReparamBlock(nn.Module):
         if self.deploy:
             return
         self.lk_origin = LargeKernelConv.from_kernel(*self.get_equivalent_kernel_bias())
-        del self.origin_bn
+        del self.origin_bn, self.branch_convs
         for k, r in self.branches:
             delattr(self, f"dil_conv_k{k}_{r}")
             delattr(self, f"dil_bn_k{k}_{r}")

@@ -1,12 +1,12 @@
 """Per-layer timings of the large-kernel convolutions during training: a Lightning callback.
 
-Every `every_n_steps` optimizer steps (after `warmup_steps`) the callback hooks every `LargeKernelConv` for one
-training batch, times its forward and its backward (CUDA events on a GPU, the wall clock on the CPU), removes the
-hooks, and reports one row per layer: scalars `kernel_ms/<layer>/fwd|bwd` (plus `kernel_ms/total/...`) to every
-logger, the table to loggers that take tables (W&B table, TensorBoard text), and the rows of all timed steps to
-`<dirpath>/kernel_timing.csv` and `.json`. Between timed steps no hook is installed, so training runs untouched.
-The blocks' small and dilated branches are not layers here: each block runs them in one `dwconv2d_branches` call on
-its branches' weights, so their modules' hooks never fire (`python -m lkcnn.bench branches` times them).
+Every `every_n_steps` optimizer steps (after `warmup_steps`) the callback hooks every `LargeKernelConv` and every
+block's small / dilated branches (`BranchConvs`: one call for all of a block's branches, named `<block>.branch_convs`
+in the table) for one training batch, times each one's forward and backward (CUDA events on a GPU, the wall clock
+on the CPU), removes the hooks, and reports one row per layer: scalars `kernel_ms/<layer>/fwd|bwd` (plus
+`kernel_ms/total/...`) to every logger, the table to loggers that take tables (W&B table, TensorBoard text), and
+the rows of all timed steps to `<dirpath>/kernel_timing.csv` and `.json`. Between timed steps no hook is installed,
+so training runs untouched.
 One timed step is one sample of a noisy quantity (the CPU's wall clock especially): a fit that timed fewer than
 `MIN_SAMPLES` steps warns, and `python -m lkcnn.ablation` reports the mean, median, IQR and count over the samples.
 
@@ -30,8 +30,11 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from torch.utils.hooks import RemovableHandle
 
 from lkcnn.timing import Mark, elapsed_ms, mark
-from lkcnn.layers import LargeKernelConv
-from lkcnn.ops import implementation as op_implementation  # the op's own dispatch: the table matches what ran
+from lkcnn.layers import BranchConvs, LargeKernelConv
+from lkcnn.ops import implementation as op_implementation  # the ops' own dispatch: the table matches what ran
+from lkcnn.ops.dwconv_branches import uses_kernels
+
+TIMED = (LargeKernelConv, BranchConvs)
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +42,19 @@ COLUMNS = ("step", "layer", "kernel_size", "input_shape", "dtype", "implementati
 MIN_SAMPLES = 3  # timed steps below which a fit warns: no mean or spread worth reading
 
 
-def implementation(module: LargeKernelConv, x: torch.Tensor) -> str:
-    """"cuda" when lkcnn.ops.dwconv2d runs lkcnn's CUDA kernels for this call, "torch" when PyTorch's conv runs."""
+def implementation(module: LargeKernelConv | BranchConvs, x: torch.Tensor) -> str:
+    """"cuda" when this call runs lkcnn's CUDA kernels (lkcnn.ops.dwconv2d, or dwconv2d_branches for the branches),
+    "torch" when PyTorch's convolution runs."""
+    if isinstance(module, BranchConvs):
+        return "cuda" if uses_kernels(x, list(module.kernel_sizes), list(module.dilations)) else "torch"
     return op_implementation(x, list(module.kernel_size), list(module.padding))
+
+
+def kernel_size(module: LargeKernelConv | BranchConvs) -> str:
+    """The table's kernel size: 31x31, or a block's branches as 5x5+7x7d2+..."""
+    if isinstance(module, BranchConvs):
+        return module.describe()
+    return "x".join(map(str, module.kernel_size))
 
 
 @dataclass
@@ -49,9 +62,11 @@ class _Layer:
     """What the hooks recorded for one layer during one timed batch (a layer called twice sums its calls)."""
 
     name: str
+    kernel_size: str
     input_shape: str = ""
     dtype: str = ""
     implementation: str = ""
+    device: torch.device | None = None
     fwd: list[tuple[Mark, Mark]] = field(default_factory=list)
     bwd: list[tuple[Mark, Mark]] = field(default_factory=list)
     fwd_start: Mark | None = None
@@ -59,7 +74,7 @@ class _Layer:
 
 
 class KernelTimingCallback(L.Callback):
-    """Time the forward and backward of every LargeKernelConv every `every_n_steps` training steps.
+    """Time the forward and backward of every LargeKernelConv and BranchConvs every `every_n_steps` training steps.
 
     Args:
         every_n_steps: optimizer steps between timed batches (the first timed step is `warmup_steps`).
@@ -97,15 +112,16 @@ class KernelTimingCallback(L.Callback):
 
     def _install(self, pl_module: nn.Module) -> None:
         for name, module in pl_module.named_modules():
-            if isinstance(module, LargeKernelConv):
-                self._layers[module] = _Layer(name)
+            if isinstance(module, TIMED):
+                self._layers[module] = _Layer(name, kernel_size(module))
                 self._handles += [module.register_forward_pre_hook(self._fwd_pre),
                                   module.register_forward_hook(self._fwd_post),
                                   module.register_full_backward_pre_hook(self._bwd_pre),
                                   module.register_full_backward_hook(self._bwd_post)]
 
-    def _fwd_pre(self, module: LargeKernelConv, args: tuple[torch.Tensor, ...]) -> None:
+    def _fwd_pre(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         layer, x = self._layers[module], args[0]
+        layer.device = x.device
         if not layer.fwd:
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
             layer.input_shape = "x".join(map(str, x.shape))
@@ -113,16 +129,17 @@ class KernelTimingCallback(L.Callback):
             layer.implementation = implementation(module, x)
         layer.fwd_start = mark(x.device)
 
-    def _fwd_post(self, module: LargeKernelConv, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    def _fwd_post(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: Any) -> None:
         layer = self._layers[module]
-        layer.fwd.append((layer.fwd_start, mark(output.device)))
+        layer.fwd.append((layer.fwd_start, mark(layer.device)))
 
-    def _bwd_pre(self, module: LargeKernelConv, grad_output: tuple[torch.Tensor, ...]) -> None:
-        self._layers[module].bwd_start = mark(module.weight.device)
-
-    def _bwd_post(self, module: LargeKernelConv, grad_input: Any, grad_output: Any) -> None:
+    def _bwd_pre(self, module: nn.Module, grad_output: tuple[torch.Tensor, ...]) -> None:
         layer = self._layers[module]
-        layer.bwd.append((layer.bwd_start, mark(module.weight.device)))
+        layer.bwd_start = mark(layer.device)
+
+    def _bwd_post(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        layer = self._layers[module]
+        layer.bwd.append((layer.bwd_start, mark(layer.device)))
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -138,11 +155,11 @@ class KernelTimingCallback(L.Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # events must have completed before elapsed_time
         rows = [{"step": self._timed_step, "layer": layer.name,
-                 "kernel_size": "x".join(map(str, module.kernel_size)), "input_shape": layer.input_shape,
+                 "kernel_size": layer.kernel_size, "input_shape": layer.input_shape,
                  "dtype": layer.dtype, "implementation": layer.implementation,
                  "fwd_ms": sum(elapsed_ms(*pair) for pair in layer.fwd),
                  "bwd_ms": sum(elapsed_ms(*pair) for pair in layer.bwd) if layer.bwd else None}
-                for module, layer in self._layers.items() if layer.fwd]  # layers that ran (not the EMA copy)
+                for layer in self._layers.values() if layer.fwd]  # layers that ran (not the EMA copy)
         self._layers.clear()
         if not trainer.is_global_zero:
             return
