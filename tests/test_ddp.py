@@ -22,9 +22,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
-from lkcnn.layers import LargeKernelConv
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 from lkcnn.training import ClassificationModule, SyncBatchNormPlugin
+from lkcnn.training.callbacks.kernel_timing import TIMED
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, BATCH, NUM_TRAIN, LR, BASE_BATCH = 2, 4, 32, 2e-3, 64
@@ -65,7 +65,7 @@ def test_ddp_on_two_processes_scales_to_the_global_batch(tmp_path):
     assert throughput["images"] == (NUM_TRAIN // global_batch - 1) * global_batch  # every batch after the first
     with open(run / "kernel_timing.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    n_layers = sum(isinstance(m, LargeKernelConv) for m in timm.create_model(
+    n_layers = sum(isinstance(m, TIMED) for m in timm.create_model(
         "replknet_tiny", kernel_sizes=[5, 3, 3, 3], small_kernel=3).modules())
     assert len(rows) == n_layers * NUM_TRAIN // global_batch  # rank 0 alone writes, once per timed step
 

@@ -14,8 +14,7 @@ import timm
 from hydra import compose, initialize_config_dir
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
-from lkcnn.layers import LargeKernelConv
-from lkcnn.training.callbacks.kernel_timing import COLUMNS
+from lkcnn.training.callbacks.kernel_timing import COLUMNS, TIMED
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ([3, 3, 3, 3], [5, 3, 3, 3])
@@ -72,7 +71,7 @@ def test_every_job_has_its_own_offline_run_in_its_folder(sweep):
 def test_the_offline_runs_hold_the_timing_table(sweep):
     for job, sizes in zip(("0", "1"), SWEEP):
         net = timm.create_model("replknet_tiny", kernel_sizes=sizes, small_kernel=3)
-        n_layers = sum(isinstance(m, LargeKernelConv) for m in net.modules())
+        n_layers = sum(isinstance(m, TIMED) for m in net.modules())
         (run,) = offline_runs(sweep / job)
         tables = sorted((run / "files" / "media" / "table").glob("kernel_timing_*.table.json"))
         assert len(tables) == 2  # every_n_steps=1: both training steps
