@@ -7,7 +7,8 @@ outputs/multirun/<date>/<time>/<job>/), or a single run folder. Per job it reads
   config from `.hydra/config.yaml`, computed on the meta device;
 - training images/s and the whole step's time at data.batch_size: `throughput.json` (callbacks/throughput);
 - large-kernel conv time per training step (forward + backward, summed over the large kernels and their blocks'
-  small / dilated branches): mean, median, IQR and number of the timed steps in `kernel_timing.json` (callbacks/kernel_timing), so a noisy timing shows as noisy.
+  small / dilated branches): mean, median, IQR and number of the timed steps in `kernel_timing.json`
+  (callbacks/kernel_timing), so a noisy timing shows as noisy.
 Missing pieces stay empty. Writes ablation.md (the table and notes on what the timing and EMA columns mean),
 ablation.csv and ablation.png (accuracy and step time against kernel size, accuracy against throughput) to --out
 (default RUN_DIR).
