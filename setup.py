@@ -48,7 +48,8 @@ def _prebuilt_extension() -> dict:
         raise SystemExit("LKCNN_BUILD_EXT=1 builds against the installed torch: install torch first, then "
                          "`pip install --no-build-isolation .`") from None
     ext = CUDAExtension("lkcnn.ops._prebuilt", sources=[f"csrc/{s}" for s in SRC["SOURCES"]],
-                        extra_compile_args={"cxx": list(SRC["CXX_FLAGS"]), "nvcc": list(SRC["CUDA_FLAGS"])})
+                        extra_compile_args={"cxx": list(SRC["CXX_FLAGS"]), "nvcc": list(SRC["CUDA_FLAGS"])},
+                        libraries=list(SRC["LIBRARIES"]))
     return {"ext_modules": [ext], "cmdclass": {"build_py": BuildPy, "build_ext": BuildExtension}}
 
 

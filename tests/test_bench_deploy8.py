@@ -27,7 +27,7 @@ def test_cpu_dry_run_prints_the_table_and_writes_the_record(tmp_path, capsys):
     assert len(rows) == 6 and all(rows[("bf16", b)]["ratio_to_bf16"] == 1.0 for b in (4, 2))
     for precision in ("int8", "fp8"):
         row = rows[(precision, 4)]
-        assert row["gemm8_layers"] == 23 and row["fallback"] == {}
+        assert row["gemm8_layers"] == 23 and row["fused_blocks"] == 10
         assert row["ratio_to_bf16"] == pytest.approx(row["images_per_s"] / rows[("bf16", 4)]["images_per_s"])
 
 

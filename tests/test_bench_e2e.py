@@ -33,6 +33,12 @@ NAMES = {
     "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, "
     "cutlass::gemm::collective::CollectiveMma<..., cutlass::float_e4m3_t, ...>>>(...)": "8-bit GEMM (INT8 / FP8)",
     "triton_tem_fused__int_mm_mul_3": "8-bit GEMM (INT8 / FP8)",
+    "_gemm8_kernel": "8-bit GEMM (INT8 / FP8)",  # lkcnn's own (lkcnn.ops.gemm8), named as Triton names a kernel
+    "_gemm8_tma_kernel": "8-bit GEMM (INT8 / FP8)",
+    "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_gelubias_TNT": "8-bit GEMM (INT8 / FP8)",  # gemm8_lt
+    # inductor's pass that quantizes lkcnn.gemm8_lt's output is named after the op, and stays elementwise
+    "triton_poi_fused__native_batch_norm_legit_no_training__to_copy_clamp_div_gemm8_lt_permute_view_25":
+        "inductor fused (norms, activations, adds)",
     "triton_tem_fused__scaled_mm_add_gelu_1": "8-bit GEMM (INT8 / FP8)",
     "triton_tem_fused__native_batch_norm_legit_no_training__scaled_mm_gelu_4": "8-bit GEMM (INT8 / FP8)",
     # an elementwise kernel that quantizes a _scaled_mm's input is named after it too, and stays elementwise

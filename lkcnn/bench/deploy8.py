@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
             row = {"network": args.model, "variant": name, **measure(model, batch, args, device)}
             if name != "bf16":
                 row["gemm8_layers"] = len(model.lkcnn_gemm8["layers"])
-                row["fallback"] = model.lkcnn_gemm8["fallback"]
+                row["fused_blocks"] = len(model.lkcnn_gemm8["fused_blocks"])
             rows.append(row)
             print(f"lkcnn-bench deploy8: {name} batch {batch}: {row['images_per_s']:.1f} images/s",
                   file=sys.stderr, flush=True)
@@ -108,8 +108,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
     lines = [f"{args.model} deploy form, {args.size} px, bf16 activations, channels_last, {where}",
              f"{'variant':8s} {'batch':>6s} {'img/s':>10s} {'x bf16':>7s} {'ms/batch':>9s} {'8-bit GEMMs':>12s}"]
     for row in rows:
-        gemms = "-" if "gemm8_layers" not in row else (
-            f"{row['gemm8_layers']}" + (f" +{len(row['fallback'])} fake" if row["fallback"] else ""))
+        gemms = "-" if "gemm8_layers" not in row else f"{row['gemm8_layers']}"
         lines.append(f"{row['variant']:8s} {row['batch']:6d} {row['images_per_s']:10.1f} {row['ratio_to_bf16']:6.2f}x "
                      f"{row['batch_ms']:9.2f} {gemms:>12s}")
     if device.type != "cuda":

@@ -51,25 +51,30 @@ def profile_kernels(fn, calls: int) -> list:
 # Kernel names -> the step's cost categories of docs/performance.md, first match wins; a needle matches when it is in
 # the name, a tuple of needles when all are (lkcnn's kernels are in namespace lkcnn: `dwconv_*` and the layout
 # `transpose_kernel`; cuDNN's depthwise kernels are `*2d_c1_k1*`; the 8-bit GEMMs name their operand types: cuBLASLt's
-# `i8i32` / `s8` / `qq`, CUTLASS's `float_e4m3_t`; inductor's Triton GEMM templates (`triton_tem_*`) name their ops in
-# sorted order, `_scaled_mm` / `_int_mm` anywhere, as do its elementwise kernels that quantize a GEMM's input).
+# `i8i32` / `s8` / `qq`, CUTLASS's `float_e4m3_t`, lkcnn's Triton `_gemm8_kernel` / `_gemm8_tma_kernel`; inductor's
+# Triton GEMM templates (`triton_tem_*`) name their ops in sorted order, `_scaled_mm` / `_int_mm` anywhere). Inductor's
+# pointwise and reduction kernels are elementwise work whatever ops their names list (`..._scaled_mm_...` or
+# `..._gemm8_lt_...` when they quantize a GEMM's input or output): ELEMENTWISE decides them first.
 CATEGORIES = (
     ("lkcnn small-branch conv", ("branches_conv_kernel", "branches_wgrad_kernel")),  # before dwconv_: the file name
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
     ("optimizer", ("multi_tensor", "adam")),
-    ("8-bit GEMM (INT8 / FP8)", ("i8i32", "_s8", "imma", "e4m3", "f8f8", "_qqtst", ("triton_tem", "_int_mm"),
-                                 ("triton_tem", "_scaled_mm"))),
+    ("8-bit GEMM (INT8 / FP8)", ("gemm8_kernel", "gemm8_tma_kernel", "i8i32", "_s8", "imma", "e4m3", "f8f8", "_qqtst",
+                                 ("triton_tem", "_int_mm"), ("triton_tem", "_scaled_mm"))),
     ("GEMM (1x1 convs, head)", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "sm90_", "sm80_")),
     ("inductor fused (norms, activations, adds)", ("triton_",)),
 )
 OTHER = "other (PyTorch elementwise, reductions, copies)"
+ELEMENTWISE = (("triton_poi_", "triton_per_", "triton_red_"), "inductor fused (norms, activations, adds)")
 
 
 def category(kernel: str) -> str:
     """The cost category of a GPU kernel, by its name."""
     name = kernel.lower()
+    if name.startswith(ELEMENTWISE[0]):
+        return ELEMENTWISE[1]
 
     def found(needle: str | tuple[str, ...]) -> bool:
         return needle in name if isinstance(needle, str) else all(n in name for n in needle)

@@ -1,109 +1,204 @@
-"""8-bit execution of a fake-quant model's GEMMs: its 1x1 convolutions and linear layers run as INT8 / FP8 matrix
-products (`torch._int_mm`, `torch._scaled_mm`), on a GPU as on the CPU.
+"""8-bit execution of a fake-quant model: its 1x1 convolutions and linear layers run as 8-bit GEMMs with what follows
+them fused into the GEMM's epilogue, on a GPU as on the CPU: FP8 e4m3 on cuBLASLt's kernels with their own epilogue
+(`torch.ops.lkcnn.gemm8_lt`; its GELU is the tanh form, and the quantization of its output for the next layer is a
+torch op that inductor fuses into the next pass), INT8 and the channel counts cuBLASLt cannot take on lkcnn's
+Triton kernel (`torch.ops.lkcnn.gemm8`, whose epilogue also writes 8-bit outputs).
 
 A layer runs as a GEMM when it is a QuantLinear or a 1x1, stride-1, unpadded, ungrouped QuantConv2d: a conv over the
-channels-last view of its input, (N*H*W, C_in) @ (C_in, C_out), which is a view, not a copy, of a channels_last
-tensor. Its input is quantized with the layer's calibrated static scale in plain torch ops (divide, round, saturate,
-cast), so that torch.compile fuses it into the kernel that produced the input; the product is scaled back per output
-channel and the bias added:
-  INT8  `torch._int_mm` (exact int32 sums), then * (input_scale * weight_scale) + bias in float32, one elementwise
-        op that inductor fuses after the GEMM;
-  FP8   `torch._scaled_mm` on e4m3 operands with row-wise scales (the input scale repeated per row: a tensor-wise
-        scale_a cannot be mixed with a row-wise scale_b) and the bias in its epilogue, bfloat16 out.
-Every other layer (the large depthwise convolutions, the stride-2 depthwise ones, the float stem and classifier,
-BatchNorms, activations) runs as in the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor
-fuses it too.
-
-Shape limits, CUDA's, applied on every device so that which layers convert does not depend on where the model runs:
-cuBLASLt's INT8 GEMM takes input and output channels in multiples of 8 and more than 16 rows (fewer rows are padded
-with zero rows); `_scaled_mm` takes channels in multiples of 16. A GEMM layer outside them keeps its fake-quant form
-and is listed with the reason in the converted model's `lkcnn_gemm8["fallback"]`.
+channels-last view of its input, (N*H*W, C_in) @ (C_in, C_out), a view, not a copy, of a channels_last tensor.
+Its input is quantized with the layer's calibrated scale in plain torch ops (divide, round, saturate, cast), which
+torch.compile fuses into the kernel that produces it, unless the GEMM before it already wrote it in 8 bits. What the
+epilogue takes in (`to_8bit_gemms`):
+  - always the operands' scales and the layer's bias;
+  - the BatchNorm and activation of a conv-BN(-act) `nn.Sequential` (lkcnn's `conv_bn`), folded exactly: in eval
+    mode both are per-channel arithmetic on the GEMM's output;
+  - in lkcnn's RepLKNet blocks (`RepLKBlock`, `ConvFFN`) the block's activation after its first 1x1 conv and the
+    residual addition after its last, and the quantization of the next layer's input: the FFN's hidden activation
+    goes from one GEMM to the next in 8 bits, the large kernel's input is written on its 8-bit grid;
+  - before a conv-BN `nn.Sequential` with a fake-quant conv (a stage transition's stride-2 depthwise conv), that
+    conv's input grid.
+Every other layer (the large depthwise convolutions, the stride-2 depthwise ones, the float stem and classifier)
+runs as in the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses it too. The 8-bit
+blocks are inference modules: stochastic depth, an identity in eval mode, is not applied.
 """
 from __future__ import annotations
 
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lkcnn.deploy.quantize import QuantConv2d, QuantizeError, QuantLinear
-from lkcnn.ops.qdq import quantize_values
+from lkcnn.layers import ConvFFN, RepLKBlock, fuse_bn
+from lkcnn.ops.gemm8 import LT_BIAS_DTYPES, gemm8, gemm8_lt
+from lkcnn.ops.qdq import DTYPE_NAMES, dequantize_values, quantize_values
 
-CHANNEL_MULTIPLE = {"int8": 8, "fp8": 16}  # torch._int_mm / torch._scaled_mm on CUDA
-INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA: more than 16 rows
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
+ACTIVATIONS = {nn.ReLU: "relu", nn.GELU: "gelu"}  # nn.GELU() computes the erf form, as the Triton kernel does
+LT_ACTS = {"none": "none", "relu": "relu", "gelu": "gelu_tanh"}  # cuBLASLt's GELU is the tanh form
 QuantLayer = QuantConv2d | QuantLinear
 
 
 class Gemm8(nn.Module):
-    """A QuantLinear, or a 1x1 QuantConv2d on the channels-last view, as one 8-bit GEMM with its scales and bias in
-    the epilogue; same state as the fake-quant layer, the weight as an (out, in) matrix."""
+    """A QuantLinear, or a 1x1 QuantConv2d on the channels-last view, as one lkcnn.gemm8 call; the weight as an
+    (out, in) matrix, `alpha` / `beta` the epilogue's per-channel scale and shift."""
 
-    def __init__(self, layer: QuantLayer) -> None:
+    def __init__(self, layer: QuantLayer, activation_dtype: torch.dtype) -> None:
         super().__init__()
-        self.precision = layer.precision
+        self.precision, self.grid = layer.precision, layer.qdtype  # "int8" / "float8_e4m3fn"
+        self.qdtype = DTYPE_NAMES[layer.qdtype]
         self.conv = isinstance(layer, QuantConv2d)
+        self.activation_dtype = activation_dtype  # of the float outputs, whatever the input's dtype
         self.register_buffer("weight", layer.weight.reshape(layer.weight.shape[0], -1).contiguous())
-        self.register_buffer("weight_scale", layer.weight_scale.clone())
         self.register_buffer("input_scale", layer.input_scale.clone())
-        bias = layer.bias
-        if bias is not None and self.precision == "fp8":
-            bias = bias.to(torch.bfloat16)  # _scaled_mm's row-wise epilogue takes a bias of its output dtype
-        self.register_buffer("bias", None if bias is None else bias.clone())
+        self.register_buffer("alpha", layer.input_scale * layer.weight_scale)
+        self.register_buffer("beta", torch.zeros_like(self.alpha) if layer.bias is None else layer.bias.float().clone())
+        self.register_buffer("out_scale", None)
+        self.act = "none"
+        self.input_8bit = False  # True: the GEMM before this one writes its 8-bit input
+        self.out_8bit = False  # True: write the next GEMM's 8-bit input; with out_scale alone, values on its grid
+        out_channels, in_channels = self.weight.shape
+        self.lt = self.precision == "fp8" and not (in_channels % 16 or out_channels % 16)  # cuBLASLt's FP8 GEMM
+        self.register_buffer("bias", None)  # beta in cuBLASLt's bias dtype (`finalize`)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.conv:  # (B, C, H, W) -> (B*H*W, C)
-            b, c, h, w = x.shape
-            rows = x.permute(0, 2, 3, 1).reshape(-1, c)
+    @torch.no_grad()
+    def fold_batchnorm(self, bn: nn.BatchNorm2d) -> None:
+        """Take an eval-mode BatchNorm on this layer's output into the epilogue's scale and shift."""
+        self.alpha, self.beta = fuse_bn(self.alpha, bn.float(), self.beta)
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Derive the cuBLASLt path's bias from the folded shift, once the epilogue is complete."""
+        if self.lt:
+            self.bias = self.beta.to(LT_BIAS_DTYPES[self.activation_dtype])
+
+    def quantize_output_for(self, consumer: QuantConv2d | Gemm8) -> None:
+        """Write `consumer`'s input: 8-bit values for a Gemm8, float values on its 8-bit grid for a fake-quant layer
+        (which then skips its own QDQ)."""
+        self.out_scale = consumer.input_scale.clone()
+        self.out_8bit = isinstance(consumer, Gemm8)
+        if self.out_8bit:
+            consumer.input_8bit = True
         else:
-            rows = x.reshape(-1, x.shape[-1])
-        out = (self._int8 if self.precision == "int8" else self._fp8)(rows).to(x.dtype)
+            consumer.input_on_grid = True
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        rows, shape = self._rows(x)
+        if self.input_8bit:
+            if x.dtype != self.qdtype:
+                raise TypeError(f"this 8-bit GEMM reads the {self.qdtype} output of the GEMM before it, got {x.dtype}")
+        else:
+            rows = quantize_values(rows, self.input_scale, self.qdtype)
+        res_rows = None if residual is None else self._rows(residual)[0]
+        if self.lt and (residual is None or self.act == "none"):
+            if res_rows is not None:
+                res_rows = res_rows.to(self.activation_dtype)
+            out = gemm8_lt(rows, self.weight, self.alpha, self.bias, res_rows, LT_ACTS[self.act], self.activation_dtype)
+            if self.out_scale is not None:  # plain torch ops, which inductor fuses into one pass after the GEMM
+                q = quantize_values(out, self.out_scale, self.qdtype)
+                out = q if self.out_8bit else dequantize_values(q, self.out_scale).to(self.activation_dtype)
+        else:
+            quant = self.grid if self.out_scale is not None else ""
+            out = gemm8(rows, self.weight, self.alpha, self.beta, res_rows, self.act, quant, self.out_scale,
+                        self.qdtype if self.out_8bit else self.activation_dtype)
         if self.conv:
+            b, _, h, w = shape
             return out.view(b, h, w, -1).permute(0, 3, 1, 2)
-        return out.view(*x.shape[:-1], -1)
+        return out.view(*shape[:-1], -1)
 
-    def _int8(self, rows: Tensor) -> Tensor:
-        q = quantize_values(rows, self.input_scale, torch.int8)
-        m = len(q)
-        if m < INT_MM_MIN_ROWS:
-            q = F.pad(q, (0, 0, 0, INT_MM_MIN_ROWS - m))  # zero rows: their sums are discarded below
-        out = torch._int_mm(q, self.weight.t())[:m].float() * (self.input_scale * self.weight_scale)
-        return out if self.bias is None else out + self.bias
-
-    def _fp8(self, rows: Tensor) -> Tensor:
-        q = quantize_values(rows, self.input_scale, torch.float8_e4m3fn)
-        # use_fast_accum stays off: Hopper's fast FP8 accumulation keeps ~14 mantissa bits over K up to 4096
-        return torch._scaled_mm(q, self.weight.t(), scale_a=self.input_scale.expand(len(q), 1).contiguous(),
-                                scale_b=self.weight_scale.view(1, -1), bias=self.bias, out_dtype=torch.bfloat16)
+    def _rows(self, x: Tensor) -> tuple[Tensor, torch.Size]:
+        if self.conv:  # (B, C, H, W) -> (B*H*W, C)
+            return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]), x.shape
+        return x.reshape(-1, x.shape[-1]), x.shape
 
     def extra_repr(self) -> str:
-        return f"{self.precision}, weight={tuple(self.weight.shape)}, bias={self.bias is not None}, conv={self.conv}"
+        out = "" if self.out_scale is None else f", out={'8-bit' if self.out_8bit else 'on the next grid'}"
+        return (f"{self.precision}, weight={tuple(self.weight.shape)}, conv={self.conv}, act={self.act}, "
+                f"input_8bit={self.input_8bit}{out}, kernel={'cuBLASLt' if self.lt else 'Triton'}")
 
 
-def _is_gemm(layer: QuantLayer) -> bool:
+class ConvFFN8(nn.Module):
+    """ConvFFN with fused 8-bit GEMMs: pw1's epilogue applies BatchNorm and GELU and writes pw2's 8-bit input;
+    pw2's applies BatchNorm and adds the residual."""
+
+    def __init__(self, block: ConvFFN) -> None:
+        super().__init__()
+        self.preffn_bn, self.pw1, self.pw2 = block.preffn_bn, block.pw1, block.pw2
+        self.pw1.conv.act = ACTIVATIONS[type(block.nonlinear)]
+        self.pw1.conv.quantize_output_for(self.pw2.conv)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pw2.conv(self.pw1.conv(self.preffn_bn(x)), residual=x)
+
+
+class RepLKBlock8(nn.Module):
+    """RepLKBlock with fused 8-bit GEMMs: pw1's epilogue applies BatchNorm and ReLU and writes the large kernel's
+    input on its 8-bit grid; pw2's applies BatchNorm and adds the residual."""
+
+    def __init__(self, block: RepLKBlock) -> None:
+        super().__init__()
+        self.prelkb_bn, self.pw1, self.large_kernel = block.prelkb_bn, block.pw1, block.large_kernel
+        self.lk_nonlinear, self.pw2 = block.lk_nonlinear, block.pw2
+        large = getattr(self.large_kernel, "lkb_reparam", None)
+        if isinstance(large, QuantConv2d):
+            self.pw1.conv.quantize_output_for(large)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pw2.conv(self.lk_nonlinear(self.large_kernel(self.pw1(self.prelkb_bn(x)))), residual=x)
+
+
+def _is_gemm(layer: nn.Module) -> bool:
     if isinstance(layer, QuantLinear):
         return True
     return (isinstance(layer, QuantConv2d) and not layer.large_kernel and layer.weight.shape[2:] == (1, 1)
             and layer.stride == (1, 1) and not any(layer.padding) and layer.groups == 1)
 
 
-def _shape_issue(layer: QuantLayer) -> str | None:
-    """Why the GEMM kernel of the layer's format cannot take its channels, or None."""
-    multiple = CHANNEL_MULTIPLE[layer.precision]
-    out_channels, in_channels = layer.weight.shape[:2]
-    if in_channels % multiple or out_channels % multiple:
-        return f"{in_channels} -> {out_channels} channels: {layer.precision} GEMMs take multiples of {multiple}"
-    return None
+def _fold_conv_bn(model: nn.Module) -> None:
+    """In every conv-BN(-act) Sequential whose conv is a Gemm8, move the BatchNorm and activation into its epilogue
+    (identities left in their place keep the module paths); then give each such GEMM that precedes a conv-BN
+    Sequential with a fake-quant conv (a stage transition) that conv's input grid."""
+    sequentials = [m for m in model.modules() if isinstance(m, nn.Sequential)]
+    for seq in sequentials:
+        gemm, bn = getattr(seq, "conv", None), getattr(seq, "bn", None)
+        if isinstance(gemm, Gemm8) and isinstance(bn, nn.BatchNorm2d):
+            gemm.fold_batchnorm(bn)
+            seq.bn = nn.Identity()
+            act = getattr(seq, "nonlinear", None)
+            if type(act) in ACTIVATIONS:
+                gemm.act = ACTIVATIONS[type(act)]
+                seq.nonlinear = nn.Identity()
+    for seq in sequentials:
+        children = list(seq.children())
+        for before, after in zip(children, children[1:]):
+            gemm, nxt = getattr(before, "conv", None), getattr(after, "conv", None)
+            whole = all(isinstance(m, nn.Identity) for n, m in before.named_children() if n != "conv")
+            if isinstance(gemm, Gemm8) and whole and gemm.out_scale is None and isinstance(nxt, QuantConv2d):
+                gemm.quantize_output_for(nxt)
+
+
+def _fuse_blocks(model: nn.Module) -> list[str]:
+    """Swap every RepLKBlock / ConvFFN whose 1x1 convs are fused Gemm8s for its 8-bit form; their names."""
+    swapped = []
+    for name, block in list(model.named_modules()):
+        fused = {RepLKBlock: RepLKBlock8, ConvFFN: ConvFFN8}.get(type(block))
+        if fused is None or not all(isinstance(getattr(block, pw).conv, Gemm8) for pw in ("pw1", "pw2")):
+            continue
+        if not all(isinstance(getattr(block, pw).bn, nn.Identity) for pw in ("pw1", "pw2")):
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, fused(block))
+        swapped.append(name)
+    return swapped
 
 
 def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of the fake-quant `model` (`lkcnn.deploy.quantize.quantize`, or `lkcnn.load_deployed` of an 8-bit
-    export) whose GEMM layers run in 8 bits on the model's device; `model` is unchanged.
+    export) whose GEMM layers run in 8 bits with fused epilogues on the model's device; `model` is unchanged.
 
-    `dtype` (e.g. torch.bfloat16) casts the float state outside the 8-bit layers (stem, BatchNorms, classifier):
-    `model.to(dtype)` would also cast the FP8 weights and the float32 scales. The copy's `lkcnn_gemm8` records the
-    precision, the converted layers and the GEMM layers left in fake-quant form (`fallback`, name: reason).
+    `dtype` (e.g. torch.bfloat16) casts the float state outside the 8-bit layers (stem, BatchNorms, classifier) and
+    is the dtype of the GEMMs' float outputs (default float32): `model.to(dtype)` would also cast the FP8 weights and
+    the float32 scales. The copy's `lkcnn_gemm8` records the precision, the converted layers and the fused blocks.
     """
     quantization = getattr(model, "lkcnn_quantization", None)
     if quantization is None or not any(isinstance(m, QuantLayer) for m in model.modules()):
@@ -119,24 +214,22 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modu
             raise QuantizeError(f"FP8 GEMMs need a GPU of compute capability 8.9 or newer; {gpu} is "
                                 f"{capability[0]}.{capability[1]}: use an int8 model.")
     converted = copy.deepcopy(model)
-    layers, fallback = [], {}
-    for name in quantization["layers"]:
-        layer = converted.get_submodule(name)
-        if not _is_gemm(layer):
-            continue
-        issue = _shape_issue(layer)
-        if issue:
-            fallback[name] = issue
-            continue
+    layers = [name for name in quantization["layers"] if _is_gemm(converted.get_submodule(name))]
+    for name in layers:
         parent, _, child = name.rpartition(".")
-        setattr(converted.get_submodule(parent) if parent else converted, child, Gemm8(layer))
-        layers.append(name)
+        setattr(converted.get_submodule(parent) if parent else converted, child,
+                Gemm8(converted.get_submodule(name), dtype or torch.float32))
     for layer in converted.modules():  # the rest stays fake-quant, with its QDQ fusable under torch.compile
         if isinstance(layer, QuantLayer):
             layer.fusable = True
+    _fold_conv_bn(converted)
+    blocks = _fuse_blocks(converted)
+    for gemm in converted.modules():
+        if isinstance(gemm, Gemm8):
+            gemm.finalize()
     if dtype is not None:
         _cast_float_state(converted, dtype)
-    converted.lkcnn_gemm8 = {"precision": quantization["precision"], "layers": layers, "fallback": fallback}
+    converted.lkcnn_gemm8 = {"precision": quantization["precision"], "layers": layers, "fused_blocks": blocks}
     return converted
 
 

@@ -192,6 +192,8 @@ class _QuantLayer(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         # True: QDQ in plain torch ops (`_inputs`); lkcnn.deploy.gemm8 sets it on the layers it leaves in this form
         self.fusable = False
+        # True: the input arrives on this layer's 8-bit grid (an 8-bit GEMM's epilogue put it there), no QDQ needed
+        self.input_on_grid = False
 
     @torch.no_grad()
     def set_scales(self, float_weight: Tensor, input_amax: Tensor, per_channel: bool = True) -> None:
@@ -203,9 +205,11 @@ class _QuantLayer(nn.Module):
         self.input_scale.copy_(fmt.scale(input_amax))
 
     def _inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        if self.fusable:  # the registered ops' arithmetic, which torch.compile fuses into the neighbouring kernels,
-            # where each registered op (opaque to it, but what ONNX export needs) is a pass of its own over the tensor
-            xq = dequantize_values(quantize_values(x, self.input_scale, DTYPE_NAMES[self.qdtype]), self.input_scale)
+        if self.input_on_grid or self.fusable:  # the registered ops' arithmetic, which torch.compile fuses into the
+            # neighbouring kernels, where each registered op (opaque to it, but what ONNX export needs) is a pass of
+            # its own over the tensor
+            xq = x if self.input_on_grid else dequantize_values(
+                quantize_values(x, self.input_scale, DTYPE_NAMES[self.qdtype]), self.input_scale)
             w = dequantize_values(self.weight, self.weight_scale, 0)
         else:
             xq = fake_quantize(x, self.input_scale, self.qdtype)

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from .sources import CUDA_FLAGS, CXX_FLAGS, SOURCES, csrc_dir, source_digest
+from .sources import CUDA_FLAGS, CXX_FLAGS, LIBRARIES, SOURCES, csrc_dir, source_digest
 
 PREBUILT_MODULE = "lkcnn.ops._prebuilt"
 # written by setup.py beside the prebuilt extension: {"digest": ..., "archs": ..., "torch": ...}
@@ -146,7 +146,8 @@ def _jit_build(verbose: bool) -> ModuleType:
     with _env(TORCH_CUDA_ARCH_LIST=archs, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4))):
         return cpp_extension.load(
             name=directory.name, sources=[str(csrc / s) for s in SOURCES], build_directory=str(directory),
-            extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=list(CUDA_FLAGS), verbose=verbose)
+            extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_ldflags=[f"-l{lib}" for lib in LIBRARIES], verbose=verbose)
 
 
 def main() -> None:

@@ -15,10 +15,12 @@ SOURCES = ("extension.cpp",
            "dwconv/dwconv_bindings.cpp", "dwconv/dwconv_fwd.cu", "dwconv/dwconv_wgrad.cu", "dwconv/dwconv_fwd_tc.cu",
            "dwconv/dwconv_wgrad_tc.cu", "dwconv/dwconv_small.cu", "dwconv/dwconv_map_tc.cu",
            "dwconv/dwconv_fwd_strip.cu", "dwconv/dwconv_branches.cu", "dwconv/layout.cu",
-           "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu")
+           "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu",
+           "gemm8/gemm8_bindings.cpp", "gemm8/gemm8_lt.cu")
 HEADER_SUFFIXES = (".h", ".cuh")
 CXX_FLAGS = ("-O3",)
 CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
+LIBRARIES = ("cublasLt",)  # gemm8: cuBLASLt's FP8 GEMMs, called directly for their epilogues
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -46,5 +48,5 @@ def source_digest(torch_version: str, cuda_version: str | None, archs: str, dire
     directory = directory or csrc_dir()
     for path in sorted(source_files(directory)):
         digest.update(path.relative_to(directory).as_posix().encode() + path.read_bytes())
-    digest.update(f"{torch_version}|{cuda_version}|{archs}|{CXX_FLAGS}|{CUDA_FLAGS}".encode())
+    digest.update(f"{torch_version}|{cuda_version}|{archs}|{CXX_FLAGS}|{CUDA_FLAGS}|{LIBRARIES}".encode())
     return digest.hexdigest()[:16]

@@ -1,0 +1,182 @@
+"""`torch.ops.lkcnn.gemm8`: an 8-bit GEMM (INT8 or FP8 e4m3 operands) whose epilogue does what an 8-bit inference
+engine fuses after a 1x1 convolution: per-output-channel scale and shift (the operands' scales, the bias and a
+folded BatchNorm), ReLU or GELU, a residual addition, and the quantization of the result for the next 8-bit layer.
+
+    out = grid(act(acc * alpha[n] + beta[n]) + residual)      acc[m, n] = sum_k a[m, k] * w[n, k]
+
+`grid` is the identity, or QuantizeLinear with `out_scale` onto `quant`'s grid (int8: round half to even, saturate
+at [-128, 127]; float8_e4m3fn: round to nearest even, saturate at +-448), written either as 8-bit values (`out_dtype`
+the 8-bit dtype: the next GEMM's input) or dequantized (`out_dtype` a float dtype: the input of a layer that computes
+in float on 8-bit values, such as the large depthwise convolution).
+
+Why our own kernel: cuBLASLt's 8-bit GEMMs behind `torch._scaled_mm` / `torch._int_mm` take a bias at most, so every
+BatchNorm, activation, residual addition and quantization after them was a pass of its own over the GEMM's output
+(written in bfloat16 or int32) - more GPU time than the GEMMs. On a GPU the op runs one Triton kernel; elsewhere
+(and as the tests' oracle) the same arithmetic in torch ops.
+
+`torch.ops.lkcnn.gemm8_lt` is the FP8 GEMM of cuBLASLt itself with the epilogue cuBLASLt offers, called from lkcnn's
+extension (csrc/gemm8/gemm8_lt.cu) because `torch._scaled_mm` passes no activation or residual:
+
+    out = act(acc * alpha[n] + bias[n]) + residual      (a residual with act "none" only)
+
+in a 16- or 32-bit output (cuBLASLt writes no FP8 under per-channel scaling, so a following quantization is a torch
+op that inductor fuses into the next pass), its GELU the tanh form, its bias in the dtype cuBLASLt takes with that
+output (`LT_BIAS_DTYPES`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lkcnn.ops.qdq import DTYPE_NAMES, dequantize_values, quantize_values
+
+ACTS = ("none", "relu", "gelu")
+LT_ACTS = ("none", "relu", "gelu_tanh")  # cuBLASLt's epilogue activations
+# output dtype -> bias dtype of cuBLASLt's FP8 kernels: the output's, but bfloat16 for a float32 output
+LT_BIAS_DTYPES = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16, torch.float32: torch.bfloat16}
+LT_OUT_DTYPES = tuple(LT_BIAS_DTYPES)
+GRIDS = ("", *DTYPE_NAMES)  # "" = no quantization of the output
+
+
+def _check(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
+           out_scale: Tensor | None, out_dtype: torch.dtype) -> None:
+    if a.dtype not in DTYPE_NAMES.values() or w.dtype != a.dtype:
+        raise ValueError(f"lkcnn.gemm8 takes int8 or float8_e4m3fn operands of one dtype, got {a.dtype} and {w.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"lkcnn.gemm8 multiplies (M, K) by (N, K)^T, got {tuple(a.shape)} and {tuple(w.shape)}")
+    n = w.shape[0]
+    if alpha.shape != (n,) or beta.shape != (n,) or alpha.dtype != torch.float32 or beta.dtype != torch.float32:
+        raise ValueError(f"lkcnn.gemm8: alpha and beta must be float32 vectors of {n} output channels")
+    if residual is not None and residual.shape != (a.shape[0], n):
+        raise ValueError(f"lkcnn.gemm8: residual {tuple(residual.shape)} is not the output's {(a.shape[0], n)}")
+    if act not in ACTS or quant not in GRIDS:
+        raise ValueError(f"lkcnn.gemm8: act must be one of {ACTS} and quant one of {GRIDS}, got {act!r}, {quant!r}")
+    if quant and (out_scale is None or out_scale.numel() != 1):
+        raise ValueError("lkcnn.gemm8: a quantized output needs a one-element out_scale")
+    if out_dtype in DTYPE_NAMES.values() and out_dtype != DTYPE_NAMES.get(quant):
+        raise ValueError(f"lkcnn.gemm8: an {out_dtype} output needs quant={str(out_dtype).split('.')[-1]!r}")
+
+
+@torch.library.custom_op("lkcnn::gemm8", mutates_args=())
+def gemm8(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
+          out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """out[m, n] = grid(act(sum_k a[m, k] w[n, k] * alpha[n] + beta[n]) + residual[m, n]) as `out_dtype`."""
+    _check(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
+    return reference(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
+
+
+def reference(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
+              out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """The op's arithmetic in torch ops, float32 after exact sums (products of 8-bit values summed in float64)."""
+    y = (a.double() @ w.double().t()).float() * alpha + beta
+    if act == "relu":
+        y = torch.relu(y)
+    elif act == "gelu":
+        y = torch.nn.functional.gelu(y)
+    if residual is not None:
+        y = y + residual.float()
+    if quant:
+        q = quantize_values(y, out_scale.reshape(()), DTYPE_NAMES[quant])
+        y = q if out_dtype == q.dtype else dequantize_values(q, out_scale.reshape(()))
+    return y.to(out_dtype)
+
+
+@gemm8.register_fake
+def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
+      out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+
+
+@gemm8.register_kernel("cuda")
+def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
+      out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    _check(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
+    out = a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+    launch(a, w, alpha, beta, residual, act, quant, out_scale, out)
+    return out
+
+
+def launch(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
+           out_scale: Tensor | None, out: Tensor, one_config: bool = False) -> None:
+    """Run the Triton kernel into `out` (the GPU tests poison `out` first, then check every value), autotuned or
+    with one tile configuration."""
+    from lkcnn.ops import gemm8_triton  # Triton is imported only where a GPU runs the kernel
+
+    a, w = a.contiguous(), w.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    m, k = a.shape
+    n = w.shape[0]
+    grid_id = GRIDS.index(quant)
+    gemm8_triton.run(a, w, alpha.contiguous(), beta.contiguous(), residual, out,
+                     alpha if out_scale is None else out_scale.reshape(1), m, n, k, ACTS.index(act), grid_id,
+                     is_int=a.dtype == torch.int8, dequant=bool(quant) and out.dtype not in DTYPE_NAMES.values(),
+                     one_config=one_config)
+
+
+
+def _check_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,
+              out_dtype: torch.dtype) -> None:
+    if a.dtype != torch.float8_e4m3fn or w.dtype != a.dtype:
+        raise ValueError(f"lkcnn.gemm8_lt takes float8_e4m3fn operands, got {a.dtype} and {w.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"lkcnn.gemm8_lt multiplies (M, K) by (N, K)^T, got {tuple(a.shape)} and {tuple(w.shape)}")
+    n = w.shape[0]
+    if a.shape[1] % 16 or n % 16:
+        raise ValueError(f"lkcnn.gemm8_lt: cuBLASLt's FP8 GEMMs take channels in multiples of 16, got {a.shape[1]} "
+                         f"-> {n}")
+    if alpha.shape != (n,) or alpha.dtype != torch.float32:
+        raise ValueError(f"lkcnn.gemm8_lt: alpha must be a float32 vector of {n} output channels")
+    if out_dtype not in LT_OUT_DTYPES or act not in LT_ACTS:
+        raise ValueError(f"lkcnn.gemm8_lt: out_dtype must be one of {LT_OUT_DTYPES} and act one of {LT_ACTS}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != LT_BIAS_DTYPES[out_dtype]):
+        raise ValueError(f"lkcnn.gemm8_lt: bias must be {n} values of {LT_BIAS_DTYPES[out_dtype]} "
+                         f"(with {out_dtype} out)")
+    if residual is not None and (residual.shape != (a.shape[0], n) or residual.dtype != out_dtype or act != "none"):
+        raise ValueError(f"lkcnn.gemm8_lt: residual must be {(a.shape[0], n)} of {out_dtype}, with act 'none' "
+                         "(cuBLASLt adds it before the activation)")
+
+
+@torch.library.custom_op("lkcnn::gemm8_lt", mutates_args=())
+def gemm8_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,
+             out_dtype: torch.dtype) -> Tensor:
+    """out[m, n] = act(sum_k a[m, k] w[n, k] * alpha[n] + bias[n]) + residual[m, n] as `out_dtype`."""
+    _check_lt(a, w, alpha, bias, residual, act, out_dtype)
+    return reference_lt(a, w, alpha, bias, residual, act, out_dtype)
+
+
+def reference_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,
+                 out_dtype: torch.dtype) -> Tensor:
+    """gemm8_lt's arithmetic in torch ops: float32 after exact sums, as cuBLASLt's epilogue computes."""
+    y = (a.double() @ w.double().t()).float() * alpha
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.float()
+    if act == "relu":
+        y = torch.relu(y)
+    elif act == "gelu_tanh":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y.to(out_dtype)
+
+
+@gemm8_lt.register_fake
+def _(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,
+      out_dtype: torch.dtype) -> Tensor:
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+
+
+@gemm8_lt.register_kernel("cuda")
+def _(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,
+      out_dtype: torch.dtype) -> Tensor:
+    from lkcnn.ops import build  # the compiled extension, built on first use
+
+    _check_lt(a, w, alpha, bias, residual, act, out_dtype)
+    out = a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+    # cuBLASLt's per-channel scaling takes a vector for each operand: the activations' is all ones (made per call:
+    # a tensor kept across calls would outlive a CUDA graph's memory pool)
+    ones = torch.ones(len(a), device=a.device)
+    build.load().gemm_fp8_lt(a.contiguous(), w.contiguous(), alpha.contiguous(), ones,
+                             None if bias is None else bias.contiguous(),
+                             None if residual is None else residual.contiguous(), LT_ACTS.index(act), out)
+    return out

@@ -1,0 +1,190 @@
+"""The Triton kernels behind `torch.ops.lkcnn.gemm8` (see lkcnn/ops/gemm8.py for what they compute).
+
+One program computes a BLOCK_M x BLOCK_N tile of out = a @ w^T with tensor-core dots (Hopper: wgmma on FP8 / INT8
+operands, both K-major as stored), then applies the whole epilogue to the tile in registers and stores it once.
+Programs walk the tiles in groups of GROUP_M rows of tiles so that neighbouring programs share w's rows in L2.
+Two kernels with one body: operands through TMA descriptors (the hardware copies whole tiles, clips them at the
+tensor's edges, and the program holds no per-element addresses: 30-50% fewer registers on sm_90, no spills), and
+through pointers with masks for operands TMA cannot take.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+RSQRT2 = tl.constexpr(0.7071067811865476)  # erf-form GELU, as nn.GELU() computes by default
+ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + ROUND) - ROUND rounds a float32 |y| < 2^22 half to even
+# Hopper's FP8 tensor cores add products into an accumulator of about 14 mantissa bits (Triton's default there lets
+# the whole K run so); adding each 32-deep product into the float32 accumulator keeps float32 sums, as cuBLASLt does
+# without its fast-accumulation mode
+FP8_PRECISE_K = tl.constexpr(32)
+KEY = ["M", "N", "K", "ACT", "GRID", "HAS_RES", "DEQUANT"]
+
+
+def _config(m: int, n: int, k: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=warps,
+                         num_stages=stages, pre_hook=pre_hook)
+
+
+# Most of these GEMMs have K = 128-1024 and stream far more output than they multiply: what pays is tiles in flight
+# per SM (few pipeline stages, registers under 128 a thread for two 8-warp programs), not deep K pipelines.
+CONFIGS = [_config(128, 128, 128, 8, 2), _config(128, 128, 128, 8, 3), _config(64, 128, 128, 4, 3),
+           _config(128, 64, 128, 4, 3), _config(64, 64, 128, 4, 3)]
+
+
+@triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * tiles_n
+    first_m = (pid // group) * GROUP_M
+    rows = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return (first_m + (pid % group) % rows) * BLOCK_M, ((pid % group) // rows) * BLOCK_N
+
+
+@triton.jit
+def _dot(a, w_t, acc, IS_INT: tl.constexpr):
+    if IS_INT:
+        acc = tl.dot(a, w_t, acc, out_dtype=tl.int32)
+    else:
+        acc = tl.dot(a, w_t, acc, max_num_imprecise_acc=FP8_PRECISE_K, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT: tl.constexpr):
+    n_in = offs_n < N
+    alpha = tl.load(alpha_ptr + offs_n, mask=n_in, other=0.0)
+    beta = tl.load(beta_ptr + offs_n, mask=n_in, other=0.0)
+    y = acc.to(tl.float32) * alpha[None, :] + beta[None, :]
+    if ACT == 1:
+        y = tl.maximum(y, 0.0)
+    elif ACT == 2:
+        y = 0.5 * y * (1.0 + tl.erf(y * RSQRT2))
+    return y
+
+
+@triton.jit
+def _quantize(y, scale_ptr, GRID: tl.constexpr, DEQUANT: tl.constexpr):
+    if GRID != 0:
+        scale = tl.load(scale_ptr)
+        y = tl.div_rn(y, scale)  # QuantizeLinear divides (a reciprocal multiply rounds differently)
+        if GRID == 1:  # int8
+            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+            y = (y + ROUND) - ROUND  # as torch.round; saturating first rounds the same (the bounds are integers)
+        else:  # float8_e4m3fn: saturate, then the cast rounds to nearest even
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+        if DEQUANT:
+            y = y.to(tl.float32) * scale
+    return y
+
+
+@triton.autotune(configs=CONFIGS, key=KEY)
+@triton.jit
+def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr, M, N, K,
+                  stride_am, stride_wn, stride_rm, stride_om,
+                  ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr, DEQUANT: tl.constexpr,
+                  IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    off_m, off_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # the (BLOCK_K, BLOCK_N) tile of w^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0.0)
+        acc = _dot(a, w, acc, IS_INT)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT)
+    inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    rows64 = offs_m[:, None].to(tl.int64)
+    if HAS_RES:
+        y += tl.load(res_ptr + rows64 * stride_rm + offs_n[None, :], mask=inside, other=0.0).to(tl.float32)
+    y = _quantize(y, scale_ptr, GRID, DEQUANT)
+    tl.store(out_ptr + rows64 * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _tma_blocks(nargs) -> None:
+    """Autotune pre-hook: the descriptors' boxes follow the config's tile."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+    nargs["res_desc"].block_shape = [bm, bn]
+    nargs["out_desc"].block_shape = [bm, bn]
+
+
+def _tma_config(m: int, n: int, warps: int, stages: int, per_sm: int, maxnreg: int | None = None) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 128, "GROUP_M": 8, "PER_SM": per_sm},
+                         num_warps=warps, num_stages=stages, maxnreg=maxnreg, pre_hook=_tma_blocks)
+
+
+# PER_SM: persistent programs per SM, as many as its registers and shared memory hold (sm_90: 150-190 registers a
+# thread at 8 warps for 128 x 128 tiles, 120-200 at 4 warps for 64-row ones; capped at 128 two fit, with spills)
+TMA_CONFIGS = [_tma_config(128, 128, 8, 2, 1), _tma_config(128, 128, 8, 2, 2, maxnreg=128),
+               _tma_config(128, 64, 4, 3, 2), _tma_config(64, 128, 4, 3, 2)]
+
+
+@triton.autotune(configs=TMA_CONFIGS, key=KEY)
+@triton.jit
+def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, scale_ptr, M, N, K,
+                      ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr, DEQUANT: tl.constexpr,
+                      IS_INT: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr):
+    # persistent: NUM_SMS * PER_SM programs walk the tiles; the flattened loop lets the pipeliner load the next
+    # tile's operands while this one's epilogue runs (most of these GEMMs are one 128-deep K step per tile)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS * PER_SM, flatten=True):
+        off_m, off_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
+        for k in range(0, k_steps):  # TMA fills the rows and columns past the tensor with zeros
+            acc = _dot(a_desc.load([off_m, k * BLOCK_K]), w_desc.load([off_n, k * BLOCK_K]).T, acc, IS_INT)
+        y = _scale_act(acc, alpha_ptr, beta_ptr, off_n + tl.arange(0, BLOCK_N), N, ACT)
+        if HAS_RES:
+            y += res_desc.load([off_m, off_n]).to(tl.float32)
+        y = _quantize(y, scale_ptr, GRID, DEQUANT)
+        out_desc.store([off_m, off_n], y.to(out_desc.dtype))  # TMA writes only the part inside the tensor
+
+
+def tma_ok(*tensors) -> bool:
+    """TMA's rules for every 2-D operand: 16-byte aligned base and row stride, contiguous rows."""
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
+
+
+def run(a, w, alpha, beta, residual, out, scale, m: int, n: int, k: int, act: int, grid_id: int, *, is_int: bool,
+        dequant: bool, one_config: bool = False) -> None:
+    """Launch over every output tile (arguments as checked by lkcnn.ops.gemm8): the TMA kernel where every operand
+    meets TMA's alignment (channel counts in multiples of 16), else the pointer kernel; autotuned, or with `config`
+    that tile configuration alone (the GPU tests: one compile per epilogue instead of one per config)."""
+    consts = dict(ACT=act, GRID=grid_id, HAS_RES=residual is not None, DEQUANT=dequant, IS_INT=is_int)
+    tensors = (a, w, out) if residual is None else (a, w, out, residual)
+    use_tma = tma_ok(*tensors)
+    kernel = _gemm8_tma_kernel if use_tma else _gemm8_kernel
+    config, meta = None, {}
+    if one_config:
+        config = (TMA_CONFIGS if use_tma else CONFIGS)[-1]
+        kernel = kernel.fn
+        meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+    def grid(tile):
+        tiles = triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
+        return (min(tiles, tile["NUM_SMS"] * tile["PER_SM"]),) if use_tma else (tiles,)
+    if use_tma:
+        consts["NUM_SMS"] = torch.cuda.get_device_properties(a.device).multi_processor_count
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        box = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]] if config else [1, 1]  # the pre-hook sets them
+        descs = [TensorDescriptor.from_tensor(t, box) for t in (a, w, out if residual is None else residual, out)]
+        if config:
+            descs[0].block_shape = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"]]
+            descs[1].block_shape = [config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]]
+        kernel[grid](descs[0], descs[1], alpha, beta, descs[2], descs[3], scale, m, n, k, **consts, **meta)
+    else:
+        kernel[grid](a, w, alpha, beta, out if residual is None else residual, out, scale, m, n, k,
+                     a.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+                     **consts, **meta)
