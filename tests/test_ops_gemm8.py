@@ -35,7 +35,10 @@ def grid_step(units: torch.Tensor, quant: str) -> torch.Tensor:
     value's binade, 2^-9 among the subnormals."""
     if quant == "int8":
         return torch.ones_like(units)
-    return torch.exp2(torch.floor(torch.log2(units.abs().clamp(min=2.0 ** -6))) - 3)
+    # frexp's exponent is exact, where log2 may put an exact power of two (8, 64) a hair below it on the GPU, which
+    # halves the step there
+    _, exponent = torch.frexp(units.abs().clamp(min=2.0 ** -6))  # x = m 2^e, 0.5 <= m < 1: the binade is 2^(e-1)
+    return torch.exp2((exponent - 4).to(units.dtype))
 
 
 def composition(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype):
