@@ -40,8 +40,9 @@ QuantLayer = QuantConv2d | QuantLinear
 
 
 class Gemm8(nn.Module):
-    """A QuantLinear, or a 1x1 QuantConv2d on the channels-last view, as one lkcnn.gemm8 call; the weight as an
-    (out, in) matrix, `alpha` / `beta` the epilogue's per-channel scale and shift."""
+    """A QuantLinear, or a 1x1 QuantConv2d on the channels-last view, as one lkcnn.gemm8_lt call (FP8, `lt`) or
+    one lkcnn.gemm8 call (Triton); the weight as an (out, in) matrix, `alpha` / `beta` the epilogue's per-channel
+    scale and shift."""
 
     def __init__(self, layer: QuantLayer, activation_dtype: torch.dtype) -> None:
         super().__init__()
