@@ -16,7 +16,9 @@ from torch import nn
 
 import lkcnn  # noqa: F401  (registers the models)
 from lkcnn import timing
+from lkcnn.bench.branches import graphed
 from lkcnn.ops.gemm8 import gemm8, gemm8_lt
+from lkcnn.ops.qdq import quantize_values
 
 
 def shapes(batch: int) -> dict[tuple[int, int, int], int]:
@@ -33,16 +35,6 @@ def shapes(batch: int) -> dict[tuple[int, int, int], int]:
     return seen
 
 
-def graphed(fn):
-    """`fn`'s kernels as one CUDA graph: its replay (device time alone, as a compiled model runs them)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=128)
@@ -53,12 +45,10 @@ def main() -> None:
     f8 = torch.float8_e4m3fn
 
     @torch.compile
-    def epilogue(y, a, b, s):  # what inductor runs after cuBLAS on main: BatchNorm + GELU + the next quantization
-        return (torch.nn.functional.gelu(y.float() * a + b) / s).clamp(-448, 448).to(f8)
+    def epilogue(y, a, b, s):  # what inductor runs after _scaled_mm: BatchNorm + GELU + the next quantization
+        return quantize_values(torch.nn.functional.gelu(y.float() * a + b), s, f8)
 
-    @torch.compile
-    def quantize(y, s):  # what follows gemm8_lt: the next GEMM's quantization alone
-        return (y.float() / s).clamp(-448, 448).to(f8)
+    quantize = torch.compile(lambda y, s: quantize_values(y, s, f8))  # what follows gemm8_lt: the quantization alone
 
     names = ["_scaled_mm", "+pass", "lt", "lt+q"] + (["triton"] if args.triton else [])
     print(f"{'M x N x K':>22s} {'layers':>6s} | " + " ".join(f"{n:>10s}" for n in names) + "  ms")
@@ -75,7 +65,8 @@ def main() -> None:
         runs = [cublas, lambda: epilogue(y, alpha, beta, s), lt, lambda: quantize(z, s)]
         if args.triton:
             runs.append(lambda: gemm8(a, w, alpha, beta, None, "gelu", "float8_e4m3fn", s, f8))
-        ms = [timing.median_ms(graphed(fn), args.reps, warmup=5, device=dev) for fn in runs]
+        ms = [timing.median_ms(graphed(lambda _, fn=fn: fn(), {}).replay, args.reps, warmup=5, device=dev)
+              for fn in runs]
         ms[1] += ms[0]
         ms[3] += ms[2]
         totals = [t + x * count for t, x in zip(totals, ms)]

@@ -95,6 +95,14 @@ def assert_on_grid(out: torch.Tensor, expected: torch.Tensor, quant: str, scale:
         f"{where}: {got.flatten()[worst].item()} vs {exp.flatten()[worst].item()} at {worst.item()}")
 
 
+def assert_one_line_errors(op, cases) -> None:
+    """Each (args, message) case raises a one-line ValueError that matches message."""
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
+            op(*args)
+        assert "\n" not in str(error.value)
+
+
 def test_bad_arguments_are_one_line():
     a, w, alpha, beta, residual = operands(8, 16, 32, "int8")
     cases = [
@@ -106,10 +114,7 @@ def test_bad_arguments_are_one_line():
         ((a, w, alpha, beta, None, "none", "int8", None, torch.float32), "one-element out_scale"),
         ((a, w, alpha, beta, None, "none", "", None, torch.int8), "needs quant='int8'"),
     ]
-    for args, message in cases:
-        with pytest.raises(ValueError, match=message) as error:
-            gemm8(*args)
-        assert "\n" not in str(error.value)
+    assert_one_line_errors(gemm8, cases)
 
 
 @pytest.mark.gpu
@@ -210,10 +215,7 @@ def test_lt_bad_arguments_are_one_line():
         ((a, w, alpha, beta, None, "none", bf16), r"bias must be 16 values of torch.bfloat16 \(with torch.bfloat16"),
         ((a, w, alpha, bias, residual, "relu", bf16), "cuBLASLt adds it before the activation"),
     ]
-    for args, message in cases:
-        with pytest.raises(ValueError, match=message) as error:
-            gemm8_lt(*args)
-        assert "\n" not in str(error.value)
+    assert_one_line_errors(gemm8_lt, cases)
 
 
 @pytest.mark.gpu

@@ -65,14 +65,24 @@ def gemm8(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | 
     return reference(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
 
 
+def _scaled_sums(a: Tensor, w: Tensor, alpha: Tensor) -> Tensor:
+    """sum_k a[m, k] w[n, k] * alpha[n] in float32 after exact sums (products of 8-bit values summed in float64)."""
+    return (a.double() @ w.double().t()).float() * alpha
+
+
+def _activate(y: Tensor, act: str) -> Tensor:
+    """Either op's activation: "none", "relu", "gelu" (erf form) or "gelu_tanh"."""
+    if act == "relu":
+        return torch.relu(y)
+    if act in ("gelu", "gelu_tanh"):
+        return torch.nn.functional.gelu(y, approximate="tanh" if act == "gelu_tanh" else "none")
+    return y
+
+
 def reference(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
               out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """The op's arithmetic in torch ops, float32 after exact sums (products of 8-bit values summed in float64)."""
-    y = (a.double() @ w.double().t()).float() * alpha + beta
-    if act == "relu":
-        y = torch.relu(y)
-    elif act == "gelu":
-        y = torch.nn.functional.gelu(y)
+    y = _activate(_scaled_sums(a, w, alpha) + beta, act)
     if residual is not None:
         y = y + residual.float()
     if quant:
@@ -148,16 +158,12 @@ def gemm8_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual:
 def reference_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,
                  out_dtype: torch.dtype) -> Tensor:
     """gemm8_lt's arithmetic in torch ops: float32 after exact sums, as cuBLASLt's epilogue computes."""
-    y = (a.double() @ w.double().t()).float() * alpha
+    y = _scaled_sums(a, w, alpha)
     if bias is not None:
         y = y + bias.float()
     if residual is not None:
         y = y + residual.float()
-    if act == "relu":
-        y = torch.relu(y)
-    elif act == "gelu_tanh":
-        y = torch.nn.functional.gelu(y, approximate="tanh")
-    return y.to(out_dtype)
+    return _activate(y, act).to(out_dtype)
 
 
 @gemm8_lt.register_fake
