@@ -16,6 +16,9 @@ from lkcnn.bench.profile import OTHER, category
 # kernel names as torch.profiler reports them in a compiled RepLKNet-31B step on an H100
 NAMES = {
     "void lkcnn::(anonymous namespace)::dwconv_fwd_tc_kernel<__nv_bfloat16, 31, 4>(Params)": "lkcnn large-kernel conv",
+    # the 8-bit one of lkcnn.ops.dwconv8, as demangled from csrc/dwconv8/dwconv8_fwd.cu
+    "void lkcnn::(anonymous namespace)::dwconv8_fwd_kernel<true, 4, (lkcnn::(anonymous namespace)::Out)0>(Args)":
+        "lkcnn large-kernel conv, 8-bit",
     # the small-branch kernels as demangled from csrc/dwconv/dwconv_branches.cu's anonymous namespace
     "void lkcnn::(anonymous namespace)::branches_conv_kernel<c10::BFloat16, false>(...)": "lkcnn small-branch conv",
     "void lkcnn::(anonymous namespace)::branches_wgrad_kernel<c10::BFloat16>(...)": "lkcnn small-branch conv",

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from conftest import randomize_bn, rel_err
-from lkcnn.deploy.gemm8 import ConvFFN8, Gemm8, RepLKBlock8, to_8bit_gemms
+from lkcnn.deploy.gemm8 import ConvFFN8, DWConv8, Gemm8, RepLKBlock8, to_8bit_gemms
 from lkcnn.deploy.quantize import QuantConv2d, QuantizeError, QuantLinear, quantize
 from lkcnn.deploy.reparam import reparameterize_model
 
@@ -43,11 +43,12 @@ def layer_inputs(model: nn.Module, names: list[str], x: torch.Tensor) -> dict[st
 def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed, precision):
     batches = [torch.randn(4, 3, 32, 32) for _ in range(2)]
     fake = quantize(deployed, batches, precision, "minmax")
-    model = to_8bit_gemms(fake)
+    model = to_8bit_gemms(fake, large_kernels=True)
     expected = [n for n in gemm_shaped(deployed) if n in fake.lkcnn_quantization["layers"]]
     blocks = [f"stages.{s}.blocks.{b}" for s, stage in enumerate(deployed.stages) for b in range(len(stage.blocks))]
+    large_kernels = [f"{name}.large_kernel" for name in blocks if name.endswith(("blocks.0", "blocks.2"))]
     assert len(expected) == 23 and model.lkcnn_gemm8 == {"precision": precision, "layers": expected,
-                                                         "fused_blocks": blocks}
+                                                         "fused_blocks": blocks, "large_kernels": large_kernels}
     for name, module in model.named_modules():
         assert isinstance(module, Gemm8) == (name in expected), name
         if name in expected:
@@ -58,18 +59,22 @@ def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed
     for stage in model.stages:
         lk, ffn = stage.blocks[-2:]
         assert isinstance(lk, RepLKBlock8) and isinstance(ffn, ConvFFN8)
-        large = lk.large_kernel.lkb_reparam
-        assert lk.pw1.conv.act == "relu" and not lk.pw1.conv.out_8bit and large.input_on_grid
+        large = lk.large_kernel  # in 8 bits, the block's ReLU and pw2's quantization in its epilogue
+        assert isinstance(large, DWConv8) and large.act == "relu" and type(lk.lk_nonlinear) is nn.Identity
+        assert lk.pw1.conv.act == "relu" and lk.pw1.conv.out_8bit and large.input_8bit
         assert torch.equal(lk.pw1.conv.out_scale, large.input_scale)
+        assert torch.equal(large.out_scale, lk.pw2.conv.input_scale) and lk.pw2.conv.input_8bit
         assert ffn.pw1.conv.act == "gelu" and ffn.pw1.conv.out_8bit and ffn.pw2.conv.input_8bit
-        assert lk.pw2.conv.act == ffn.pw2.conv.act == "none" and not lk.pw2.conv.input_8bit
+        assert lk.pw2.conv.act == ffn.pw2.conv.act == "none"
         assert all(type(seq.bn) is nn.Identity for seq in (lk.pw1, lk.pw2, ffn.pw1, ffn.pw2))
     for transition in model.transitions:  # the 1x1 conv's output on the stride-2 depthwise conv's grid
         assert transition[0].conv.act == "relu" and transition[1].conv.input_on_grid
     assert model.stem[2].conv.__class__ is nn.Conv2d  # the float stem is left alone
 
     # the layers left fake-quant run its QDQ in plain torch ops: the very same values as the registered ops
-    rest = [n for n in fake.lkcnn_quantization["layers"] if n not in expected]
+    rest = [n for n in fake.lkcnn_quantization["layers"]
+            if n not in expected and not n.startswith(tuple(large_kernels))]
+    assert len(rest) == len(fake.lkcnn_quantization["layers"]) - len(expected) - len(large_kernels)
     assert rest and all(model.get_submodule(n).fusable and not fake.get_submodule(n).fusable for n in rest)
     x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     for name, (inputs, reference) in layer_inputs(fake, rest, x).items():
@@ -111,12 +116,12 @@ def test_any_channel_count_converts(deployed):
 
 def test_bfloat16_casts_the_float_layers_and_keeps_the_8bit_state(deployed):
     fake = quantize(deployed, [torch.randn(4, 3, 32, 32)], "fp8", "minmax")
-    model = to_8bit_gemms(fake, torch.bfloat16)
+    model = to_8bit_gemms(fake, torch.bfloat16, large_kernels=True)
     assert model.stem[0].conv.weight.dtype == torch.bfloat16 and model.head.weight.dtype == torch.bfloat16
     assert model.stages[0].blocks[0].prelkb_bn.running_var.dtype == torch.bfloat16
-    gemm, large = model.stages[0].blocks[0].pw1.conv, model.stages[0].blocks[0].large_kernel.lkb_reparam
-    assert gemm.weight.dtype == large.weight.dtype == torch.float8_e4m3fn
-    assert gemm.input_scale.dtype == gemm.alpha.dtype == large.input_scale.dtype == torch.float32
+    gemm, large = model.stages[0].blocks[0].pw1.conv, model.stages[0].blocks[0].large_kernel
+    assert gemm.weight.dtype == torch.float8_e4m3fn and large.table.dtype == torch.float16  # FP8 multiplies in f16
+    assert gemm.input_scale.dtype == gemm.alpha.dtype == large.alpha.dtype == large.beta.dtype == torch.float32
     x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         out = model(x.bfloat16())
@@ -134,15 +139,17 @@ def test_what_cannot_be_converted_is_one_line(deployed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("large_kernels", [False, True], ids=["lk16", "lk8"])
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
-def test_compiled_bfloat16_8bit_gemms_on_the_gpu(deployed, precision):
-    """lkcnn's Triton GEMM under torch.compile, bf16 activations, channels_last, against the float32
-    fake-quant model on the same GPU (bf16 activations round every layer: a tolerance, as for bf16 inference)."""
+def test_compiled_bfloat16_8bit_gemms_on_the_gpu(deployed, precision, large_kernels):
+    """The 8-bit GEMMs (and the large kernels in 8 bits or not) under torch.compile, bf16 activations, channels_last,
+    against the float32 fake-quant model on the same GPU (bf16 activations round every layer: a tolerance, as for
+    bf16 inference)."""
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")
     model = deployed.cuda()
     fake = quantize(model, [torch.randn(32, 3, 64, 64, device="cuda")], precision, "minmax")
-    gemm = to_8bit_gemms(fake, torch.bfloat16).to(memory_format=torch.channels_last)
+    gemm = to_8bit_gemms(fake, torch.bfloat16, large_kernels).to(memory_format=torch.channels_last)
     x = torch.randn(32, 3, 64, 64, device="cuda")
     with torch.no_grad():
         reference = fake(x)
@@ -150,3 +157,16 @@ def test_compiled_bfloat16_8bit_gemms_on_the_gpu(deployed, precision):
         compiled = torch.compile(gemm)(x.bfloat16().contiguous(memory_format=torch.channels_last)).float()
     assert rel_err(eager, reference) < 0.1 and rel_err(compiled, reference) < 0.1
     model.cpu()
+
+
+def test_by_default_the_large_kernels_stay_on_the_float_kernels(deployed):
+    fake = quantize(deployed, [torch.randn(4, 3, 32, 32)], "int8", "minmax")
+    model = to_8bit_gemms(fake)
+    assert model.lkcnn_gemm8["large_kernels"] == [] and not any(isinstance(m, DWConv8) for m in model.modules())
+    lk = model.stages[0].blocks[0]
+    large = lk.large_kernel.lkb_reparam  # fake-quant, its input written on its grid by pw1's epilogue
+    assert isinstance(large, QuantConv2d) and large.input_on_grid and not lk.pw1.conv.out_8bit
+    assert type(lk.lk_nonlinear) is nn.ReLU and not lk.pw2.conv.input_8bit
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert rel_err(model(x), fake(x)) < 2e-2  # see the whole-network check above

@@ -2,7 +2,7 @@
 (lkcnn.deploy.gemm8, INT8 and FP8) against its bfloat16 float form, in one call, with GPU time per cost category.
 
     python -m lkcnn.bench deploy8 [--model replknet31b] [--batch 128 1] [--steps 50] [--warmup 5] [--json FILE]
-                                  [--variants bf16,int8,fp8] [--compile-mode max-autotune]
+                                  [--variants bf16,int8,fp8,int8-lk8,fp8-lk8] [--compile-mode max-autotune]
     python -m lkcnn.bench deploy8 --model replknet_tiny --size 32 --batch 4 --steps 2   # a CPU dry run
 
 The network has random weights and BatchNorm statistics, is re-parameterized, and for the 8-bit models quantized
@@ -37,7 +37,8 @@ from lkcnn.deploy.reparam import reparameterize_model
 COMPILE_MODE = "reduce-overhead"
 COMPILE_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("int8", "fp8")
-VARIANTS = ("bf16", *PRECISIONS)
+# "-lk8": the large kernels in 8 bits too (to_8bit_gemms(large_kernels=True)); else on the 16-bit kernels
+VARIANTS = ("bf16", *PRECISIONS, *(f"{p}-lk8" for p in PRECISIONS))
 TOP_KERNELS = 15  # kept per row in the record, to check the categories against the kernels' names
 
 
@@ -56,8 +57,10 @@ def models(args: argparse.Namespace, device: torch.device) -> dict[str, nn.Modul
     float_model = deployed(args.model, device)
     batches = [torch.randn(args.calib_batch, 3, args.size, args.size, device=device)
                for _ in range(args.calib_batches)]
-    eight_bit = {p: to_8bit_gemms(quantize(float_model, batches, p), torch.bfloat16)
-                 for p in PRECISIONS if p in args.variants}
+    precisions = {v.split("-")[0] for v in args.variants if v != "bf16"}
+    fake = {p: quantize(float_model, batches, p) for p in PRECISIONS if p in precisions}
+    eight_bit = {v: to_8bit_gemms(fake[v.split("-")[0]], torch.bfloat16, large_kernels=v.endswith("-lk8"))
+                 for v in args.variants if v != "bf16"}
     variants = {"bf16": float_model.to(torch.bfloat16), **eight_bit}  # bf16 always: the ratios' denominator
     return {name: model.to(memory_format=torch.channels_last) for name, model in variants.items()}
 
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
             if name != "bf16":
                 row["gemm8_layers"] = len(model.lkcnn_gemm8["layers"])
                 row["fused_blocks"] = len(model.lkcnn_gemm8["fused_blocks"])
+                row["large_kernels_8bit"] = len(model.lkcnn_gemm8["large_kernels"])
             rows.append(row)
             print(f"lkcnn-bench deploy8: {name} batch {batch}: {row['images_per_s']:.1f} images/s",
                   file=sys.stderr, flush=True)
@@ -106,10 +110,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
     where = (f"compiled ({args.compile_mode}), {torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else "eager on the CPU (a dry run, not a measurement)")
     lines = [f"{args.model} deploy form, {args.size} px, bf16 activations, channels_last, {where}",
-             f"{'variant':8s} {'batch':>6s} {'img/s':>10s} {'x bf16':>7s} {'ms/batch':>9s} {'8-bit GEMMs':>12s}"]
+             f"{'variant':9s} {'batch':>6s} {'img/s':>10s} {'x bf16':>7s} {'ms/batch':>9s} {'8-bit GEMMs':>12s}"]
     for row in rows:
         gemms = "-" if "gemm8_layers" not in row else f"{row['gemm8_layers']}"
-        lines.append(f"{row['variant']:8s} {row['batch']:6d} {row['images_per_s']:10.1f} {row['ratio_to_bf16']:6.2f}x "
+        lines.append(f"{row['variant']:9s} {row['batch']:6d} {row['images_per_s']:10.1f} {row['ratio_to_bf16']:6.2f}x "
                      f"{row['batch_ms']:9.2f} {gemms:>12s}")
     if device.type != "cuda":
         return "\n".join(lines)
@@ -133,8 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-steps", type=int, default=5, help="calls under torch.profiler (GPU only)")
     parser.add_argument("--calib-batches", type=int, default=4, help="random calibration batches")
     parser.add_argument("--calib-batch", type=int, default=16, help="images per calibration batch")
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
-                        help="comma-separated, of bf16,int8,fp8 (bf16 is always measured: the ratios' denominator)")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=["bf16", *PRECISIONS],
+                        help="comma-separated, of bf16,int8,fp8,int8-lk8,fp8-lk8 (-lk8: the large kernels in 8 "
+                             "bits too; bf16 is always measured: the ratios' denominator)")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=COMPILE_MODE,
                         help="torch.compile mode on a GPU")
     parser.add_argument("--json", help="write an lkcnn-benchmark/1 record (kind deploy8) to this path")

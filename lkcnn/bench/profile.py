@@ -57,6 +57,7 @@ def profile_kernels(fn, calls: int) -> list:
 # `..._gemm8_lt_...` when they quantize a GEMM's input or output): ELEMENTWISE decides them first.
 CATEGORIES = (
     ("lkcnn small-branch conv", ("branches_conv_kernel", "branches_wgrad_kernel")),  # before dwconv_: the file name
+    ("lkcnn large-kernel conv, 8-bit", ("dwconv8_",)),
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),

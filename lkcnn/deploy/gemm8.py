@@ -17,9 +17,12 @@ epilogue takes in (`to_8bit_gemms`):
     goes from one GEMM to the next in 8 bits, the large kernel's input is written on its 8-bit grid;
   - before a conv-BN `nn.Sequential` with a fake-quant conv (a stage transition's stride-2 depthwise conv), that
     conv's input grid.
-Every other layer (the large depthwise convolutions, the stride-2 depthwise ones, the float stem and classifier)
-runs as in the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses it too. The 8-bit
-blocks are inference modules: stochastic depth, an identity in eval mode, is not applied.
+With `large_kernels=True`, a RepLKBlock's large depthwise convolution (odd square kernels up to 33 taps) runs in 8
+bits too, as one `torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it, and
+its epilogue applies the scale, bias and the block's activation and writes the next GEMM's 8-bit input. Every other
+layer (by default the large kernels, the stride-2 depthwise convolutions, the float stem and classifier) runs as in
+the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses it too. The 8-bit blocks are
+inference modules: stochastic depth, an identity in eval mode, is not applied.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 
 from lkcnn.deploy.quantize import QuantConv2d, QuantizeError, QuantLinear
 from lkcnn.layers import ConvFFN, RepLKBlock, fuse_bn
+from lkcnn.ops.dwconv8 import MAX_KERNEL, dwconv8, pack_weight
 from lkcnn.ops.gemm8 import LT_BIAS_DTYPES, gemm8, gemm8_lt
 from lkcnn.ops.qdq import DTYPE_NAMES, dequantize_values, quantize_values
 
@@ -73,11 +77,11 @@ class Gemm8(nn.Module):
         if self.lt:
             self.bias = self.beta.to(LT_BIAS_DTYPES[self.activation_dtype])
 
-    def quantize_output_for(self, consumer: QuantConv2d | Gemm8) -> None:
-        """Write `consumer`'s input: 8-bit values for a Gemm8, float values on its 8-bit grid for a fake-quant layer
-        (which then skips its own QDQ)."""
+    def quantize_output_for(self, consumer: QuantConv2d | Gemm8 | DWConv8) -> None:
+        """Write `consumer`'s input: 8-bit values for a Gemm8 or DWConv8, float values on its 8-bit grid for a
+        fake-quant layer (which then skips its own QDQ)."""
         self.out_scale = consumer.input_scale.clone()
-        self.out_8bit = isinstance(consumer, Gemm8)
+        self.out_8bit = isinstance(consumer, Gemm8 | DWConv8)
         if self.out_8bit:
             consumer.input_8bit = True
         else:
@@ -118,6 +122,56 @@ class Gemm8(nn.Module):
                 f"input_8bit={self.input_8bit}{out}, kernel={'cuBLASLt' if self.lt else 'Triton'}")
 
 
+class DWConv8(nn.Module):
+    """A RepLKBlock's large depthwise QuantConv2d as one lkcnn.dwconv8 call: the input in 8 bits, the scales, bias and
+    the block's activation in the epilogue, which writes the next GEMM's 8-bit input (channels_last, as the GEMM
+    reads it)."""
+
+    def __init__(self, conv: QuantConv2d, act: str, activation_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kernel_size = conv.weight.shape[-1]
+        self.qdtype = DTYPE_NAMES[conv.qdtype]
+        self.act, self.activation_dtype = act, activation_dtype
+        self.register_buffer("table", pack_weight(conv.weight))
+        self.register_buffer("input_scale", conv.input_scale.clone())
+        self.register_buffer("alpha", (conv.input_scale * conv.weight_scale).float())
+        self.register_buffer("beta", torch.zeros_like(self.alpha) if conv.bias is None else conv.bias.float().clone())
+        self.register_buffer("out_scale", None)
+        self.input_8bit = False  # True: the GEMM before this layer writes its 8-bit input
+
+    @staticmethod
+    def takes(layer: nn.Module) -> bool:
+        """Whether `layer` is a large depthwise QuantConv2d the kernel runs: odd square kernel up to MAX_KERNEL,
+        'same' padding, stride and dilation 1."""
+        if not isinstance(layer, QuantConv2d) or not layer.large_kernel:
+            return False
+        channels, one, kh, kw = layer.weight.shape
+        return (one == 1 and layer.groups == channels and kh == kw and kh % 2 == 1 and 3 <= kh <= MAX_KERNEL
+                and tuple(layer.padding) == (kh // 2, kw // 2) and tuple(layer.stride) == (1, 1)
+                and tuple(layer.dilation) == (1, 1))
+
+    def quantize_output_for(self, consumer: Gemm8) -> None:
+        """Write `consumer`'s 8-bit input."""
+        self.out_scale = consumer.input_scale.clone()
+        consumer.input_8bit = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.input_8bit:
+            if x.dtype != self.qdtype:
+                raise TypeError(f"this 8-bit convolution reads the {self.qdtype} output of the GEMM before it, "
+                                f"got {x.dtype}")
+        else:
+            x = quantize_values(x, self.input_scale, self.qdtype)
+        out_dtype = self.activation_dtype if self.out_scale is None else self.qdtype
+        out = dwconv8(x.contiguous(), self.table, self.kernel_size, self.alpha, self.beta, self.act, self.out_scale,
+                      out_dtype)
+        return out.contiguous(memory_format=torch.channels_last)
+
+    def extra_repr(self) -> str:
+        return (f"{str(self.qdtype).split('.')[-1]}, kernel={self.kernel_size}, act={self.act}, "
+                f"input_8bit={self.input_8bit}, out={'8-bit' if self.out_scale is not None else self.activation_dtype}")
+
+
 class ConvFFN8(nn.Module):
     """ConvFFN with fused 8-bit GEMMs: pw1's epilogue applies BatchNorm and GELU and writes pw2's 8-bit input;
     pw2's applies BatchNorm and adds the residual."""
@@ -134,14 +188,21 @@ class ConvFFN8(nn.Module):
 
 class RepLKBlock8(nn.Module):
     """RepLKBlock with fused 8-bit GEMMs: pw1's epilogue applies BatchNorm and ReLU and writes the large kernel's
-    input on its 8-bit grid; pw2's applies BatchNorm and adds the residual."""
+    input on its 8-bit grid (with `large_kernel_8bit`, where DWConv8 takes the kernel: its 8-bit input, and the
+    DWConv8's epilogue applies the block's activation and writes pw2's 8-bit input); pw2's applies BatchNorm and adds
+    the residual."""
 
-    def __init__(self, block: RepLKBlock) -> None:
+    def __init__(self, block: RepLKBlock, large_kernel_8bit: bool = False) -> None:
         super().__init__()
         self.prelkb_bn, self.pw1, self.large_kernel = block.prelkb_bn, block.pw1, block.large_kernel
         self.lk_nonlinear, self.pw2 = block.lk_nonlinear, block.pw2
         large = getattr(self.large_kernel, "lkb_reparam", None)
-        if isinstance(large, QuantConv2d):
+        if large_kernel_8bit and DWConv8.takes(large) and type(self.lk_nonlinear) in ACTIVATIONS:
+            self.large_kernel = DWConv8(large, ACTIVATIONS[type(self.lk_nonlinear)], self.pw2.conv.activation_dtype)
+            self.lk_nonlinear = nn.Identity()
+            self.pw1.conv.quantize_output_for(self.large_kernel)
+            self.large_kernel.quantize_output_for(self.pw2.conv)
+        elif isinstance(large, QuantConv2d):
             self.pw1.conv.quantize_output_for(large)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -178,8 +239,9 @@ def _fold_conv_bn(model: nn.Module) -> None:
                 gemm.quantize_output_for(nxt)
 
 
-def _fuse_blocks(model: nn.Module) -> list[str]:
-    """Swap every RepLKBlock / ConvFFN whose 1x1 convs are fused Gemm8s for its 8-bit form; their names."""
+def _fuse_blocks(model: nn.Module, large_kernels: bool) -> list[str]:
+    """Swap every RepLKBlock / ConvFFN whose 1x1 convs are fused Gemm8s for its 8-bit form (with `large_kernels`, a
+    RepLKBlock's large kernel as a DWConv8); their names."""
     swapped = []
     for name, block in list(model.named_modules()):
         fused = {RepLKBlock: RepLKBlock8, ConvFFN: ConvFFN8}.get(type(block))
@@ -188,18 +250,22 @@ def _fuse_blocks(model: nn.Module) -> list[str]:
         if not all(isinstance(getattr(block, pw).bn, nn.Identity) for pw in ("pw1", "pw2")):
             continue
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, fused(block))
+        setattr(model.get_submodule(parent), child, RepLKBlock8(block, large_kernels) if fused is RepLKBlock8
+                else fused(block))
         swapped.append(name)
     return swapped
 
 
-def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kernels: bool = False) -> nn.Module:
     """A copy of the fake-quant `model` (`lkcnn.deploy.quantize.quantize`, or `lkcnn.load_deployed` of an 8-bit
     export) whose GEMM layers run in 8 bits with fused epilogues on the model's device; `model` is unchanged.
 
     `dtype` (e.g. torch.bfloat16) casts the float state outside the 8-bit layers (stem, BatchNorms, classifier) and
     is the dtype of the GEMMs' float outputs (default float32): `model.to(dtype)` would also cast the FP8 weights and
-    the float32 scales. The copy's `lkcnn_gemm8` records the precision, the converted layers and the fused blocks.
+    the float32 scales. `large_kernels=True` runs RepLKBlocks' large kernels in 8 bits too (DWConv8); by default they
+    run on the 16-bit kernels, on inputs on their 8-bit grid, which is faster today (docs/export.md, "8-bit
+    execution"). The copy's `lkcnn_gemm8` records the precision, the converted layers, the fused blocks and the
+    large kernels that run in 8 bits.
     """
     quantization = getattr(model, "lkcnn_quantization", None)
     if quantization is None or not any(isinstance(m, QuantLayer) for m in model.modules()):
@@ -224,20 +290,22 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modu
         if isinstance(layer, QuantLayer):
             layer.fusable = True
     _fold_conv_bn(converted)
-    blocks = _fuse_blocks(converted)
+    blocks = _fuse_blocks(converted, large_kernels)
     for gemm in converted.modules():
         if isinstance(gemm, Gemm8):
             gemm.finalize()
     if dtype is not None:
         _cast_float_state(converted, dtype)
-    converted.lkcnn_gemm8 = {"precision": quantization["precision"], "layers": layers, "fused_blocks": blocks}
+    large = [name for name, m in converted.named_modules() if isinstance(m, DWConv8)]
+    converted.lkcnn_gemm8 = {"precision": quantization["precision"], "layers": layers, "fused_blocks": blocks,
+                             "large_kernels": large}
     return converted
 
 
 def _cast_float_state(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast the floating-point parameters and buffers of every module but the 8-bit layers to `dtype`."""
     for module in model.modules():
-        if isinstance(module, QuantLayer | Gemm8):
+        if isinstance(module, QuantLayer | Gemm8 | DWConv8):
             continue
         for param in module.parameters(recurse=False):
             if param.is_floating_point():
