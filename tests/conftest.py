@@ -49,3 +49,14 @@ def no_cuda_check(monkeypatch):
     from lkcnn.training.data import gpu_decode  # here, not at the top: the other tests need no data stack
 
     monkeypatch.setattr(gpu_decode, "require_cuda", lambda: None)
+
+
+def grid_step(units: torch.Tensor, quant: str) -> torch.Tensor:
+    """The spacing of `quant`'s grid at each value (in units of the scale): 1 for int8; for e4m3, 2^-3 of the
+    value's binade, 2^-9 among the subnormals."""
+    if quant == "int8":
+        return torch.ones_like(units)
+    # frexp's exponent is exact, where log2 may put an exact power of two (8, 64) a hair below it on the GPU, which
+    # halves the step there
+    _, exponent = torch.frexp(units.abs().clamp(min=2.0 ** -6))  # x = m 2^e, 0.5 <= m < 1: the binade is 2^(e-1)
+    return torch.exp2((exponent - 4).to(units.dtype))

@@ -8,12 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import grid_step
 from lkcnn.ops.dwconv8 import (ACTS, CHUNK, MAX_KERNEL, chunks, chunks_left, dwconv8, launch, pack_weight,
                                reference, table_shape, unpack_weight)
-from lkcnn.ops.gemm8 import _activate
+from lkcnn.ops.gemm8 import activate
 from lkcnn.ops.qdq import QRANGE
 
 QDTYPES = (torch.int8, torch.float8_e4m3fn)
+DTYPE_NAME = {torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3fn"}
 # (N, C, H, W, k): RepLKNet-31B's four stages (fewer samples and channels), a map wider than one 64-column tile,
 # a map narrower than the kernel, the largest kernel, odd sizes
 SHAPES = [(3, 4, 56, 56, 31), (4, 8, 28, 28, 29), (5, 16, 14, 14, 27), (3, 8, 7, 7, 13), (2, 3, 20, 70, 5),
@@ -64,7 +66,7 @@ def test_reference_is_the_correlation_then_the_epilogue(qdtype):
     table = pack_weight(weight)
     sums = F.conv2d(x.double(), weight.double(), padding=3, groups=3)
     for act in ACTS:
-        value = _activate((sums * alpha.double().view(-1, 1, 1) + beta.double().view(-1, 1, 1)).float(), act)
+        value = activate((sums * alpha.double().view(-1, 1, 1) + beta.double().view(-1, 1, 1)).float(), act)
         out = dwconv8(x, table, 7, alpha, beta, act, None, torch.float32)
         assert out.dtype == torch.float32 and torch.allclose(out, value, rtol=1e-6, atol=1e-6)
         scale = value.abs().max() / QRANGE[qdtype][1] * 0.7  # some values saturate
@@ -72,21 +74,12 @@ def test_reference_is_the_correlation_then_the_epilogue(qdtype):
         assert q.dtype == qdtype
         low, high = QRANGE[qdtype]
         units = (value / scale).clamp(low, high)
-        assert ((q.float() - units).abs() <= grid_half_step(units, qdtype) + 1e-4).all()
+        assert ((q.float() - units).abs() <= grid_step(units, DTYPE_NAME[qdtype]) / 2 + 1e-4).all()
         assert q.float().max() == high  # saturated, never NaN or wrapped
     # the fake (meta) implementation and the dispatch registrations agree with the op (the schema check would
     # compare float8 tensors, which the CPU cannot)
     torch.library.opcheck(dwconv8, (x, table, 7, alpha, beta, "relu", scale, qdtype),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-
-
-def grid_half_step(units: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:
-    """Half the spacing of the 8-bit grid at each value (in units of the scale): 1/2 for int8; for e4m3, 2^-4 of the
-    value's binade (frexp: x = m 2^e, 0.5 <= m < 1), 2^-10 among the subnormals."""
-    if qdtype == torch.int8:
-        return torch.full_like(units, 0.5)
-    _, exponent = torch.frexp(units.abs().clamp(min=2.0 ** -6))
-    return torch.exp2(exponent.float() - 1 - 4)
 
 
 def test_bad_arguments_are_one_line():
@@ -133,7 +126,7 @@ def expected_bounds(x, weight, alpha, beta, act, out_scale, out_dtype):
     accumulation = magnitude * 2.0 ** -10 if x.dtype == torch.float8_e4m3fn else 0
     slack = accumulation * a + ((sums * a).abs() + b.abs()) * 2.0 ** -21
     slack = slack * 1.13 + 1e-30
-    centre = _activate(value, act)
+    centre = activate(value, act)
     ends = []
     for end in (centre - slack, centre + slack):
         if out_scale is None:

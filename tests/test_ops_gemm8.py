@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import grid_step
 from lkcnn.ops.gemm8 import ACTS, LT_ACTS, LT_BIAS_DTYPES, LT_OUT_DTYPES, gemm8, gemm8_lt, launch, reference
 from lkcnn.ops.qdq import QRANGE
 
@@ -28,17 +29,6 @@ def operands(m: int, n: int, k: int, quant: str, device: str = "cpu", seed: int 
     beta = torch.randn(n, generator=g, device=device)
     residual = torch.randn(m, n, generator=g, device=device).bfloat16()
     return a, w, alpha, beta, residual
-
-
-def grid_step(units: torch.Tensor, quant: str) -> torch.Tensor:
-    """The spacing of `quant`'s grid at each value (in units of the scale): 1 for int8; for e4m3, 2^-3 of the
-    value's binade, 2^-9 among the subnormals."""
-    if quant == "int8":
-        return torch.ones_like(units)
-    # frexp's exponent is exact, where log2 may put an exact power of two (8, 64) a hair below it on the GPU, which
-    # halves the step there
-    _, exponent = torch.frexp(units.abs().clamp(min=2.0 ** -6))  # x = m 2^e, 0.5 <= m < 1: the binade is 2^(e-1)
-    return torch.exp2((exponent - 4).to(units.dtype))
 
 
 def composition(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype):

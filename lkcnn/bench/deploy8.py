@@ -57,10 +57,10 @@ def models(args: argparse.Namespace, device: torch.device) -> dict[str, nn.Modul
     float_model = deployed(args.model, device)
     batches = [torch.randn(args.calib_batch, 3, args.size, args.size, device=device)
                for _ in range(args.calib_batches)]
-    precisions = {v.split("-")[0] for v in args.variants if v != "bf16"}
-    fake = {p: quantize(float_model, batches, p) for p in PRECISIONS if p in precisions}
-    eight_bit = {v: to_8bit_gemms(fake[v.split("-")[0]], torch.bfloat16, large_kernels=v.endswith("-lk8"))
-                 for v in args.variants if v != "bf16"}
+    precision = {v: v.split("-")[0] for v in args.variants if v != "bf16"}  # "fp8-lk8" -> "fp8"
+    fake = {p: quantize(float_model, batches, p) for p in PRECISIONS if p in precision.values()}
+    eight_bit = {v: to_8bit_gemms(fake[p], torch.bfloat16, large_kernels=v.endswith("-lk8"))
+                 for v, p in precision.items()}
     variants = {"bf16": float_model.to(torch.bfloat16), **eight_bit}  # bf16 always: the ratios' denominator
     return {name: model.to(memory_format=torch.channels_last) for name, model in variants.items()}
 

@@ -244,14 +244,13 @@ def _fuse_blocks(model: nn.Module, large_kernels: bool) -> list[str]:
     RepLKBlock's large kernel as a DWConv8); their names."""
     swapped = []
     for name, block in list(model.named_modules()):
-        fused = {RepLKBlock: RepLKBlock8, ConvFFN: ConvFFN8}.get(type(block))
+        fused = {RepLKBlock: lambda b: RepLKBlock8(b, large_kernels), ConvFFN: ConvFFN8}.get(type(block))
         if fused is None or not all(isinstance(getattr(block, pw).conv, Gemm8) for pw in ("pw1", "pw2")):
             continue
         if not all(isinstance(getattr(block, pw).bn, nn.Identity) for pw in ("pw1", "pw2")):
             continue
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, RepLKBlock8(block, large_kernels) if fused is RepLKBlock8
-                else fused(block))
+        setattr(model.get_submodule(parent), child, fused(block))
         swapped.append(name)
     return swapped
 

@@ -19,10 +19,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from lkcnn.ops.gemm8 import _activate
+from lkcnn.ops.gemm8 import ACTS, activate
 from lkcnn.ops.qdq import DTYPE_NAMES, quantize_values
 
-ACTS = ("none", "relu", "gelu")
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 MAX_KERNEL = 33  # the CUDA kernel holds 3 Toeplitz chunks per kernel row: rows of up to 33 taps
 CHUNK = 16  # input columns of one Toeplitz chunk
@@ -114,7 +113,7 @@ def reference(x: Tensor, table: Tensor, k: int, alpha: Tensor, beta: Tensor, act
     """The op's arithmetic in torch ops: exact sums (products of 8-bit values summed in float64), then float32."""
     w = unpack_weight(table, k, x.dtype)
     sums = F.conv2d(x.double(), w.double(), padding=k // 2, groups=x.shape[1]).float()
-    y = _activate(sums * alpha.view(-1, 1, 1) + beta.view(-1, 1, 1), act)
+    y = activate(sums * alpha.view(-1, 1, 1) + beta.view(-1, 1, 1), act)
     if out_scale is not None:
         return quantize_values(y, out_scale.reshape(()), x.dtype)
     return y.to(out_dtype)

@@ -70,8 +70,8 @@ def _scaled_sums(a: Tensor, w: Tensor, alpha: Tensor) -> Tensor:
     return (a.double() @ w.double().t()).float() * alpha
 
 
-def _activate(y: Tensor, act: str) -> Tensor:
-    """Either op's activation: "none", "relu", "gelu" (erf form) or "gelu_tanh"."""
+def activate(y: Tensor, act: str) -> Tensor:
+    """The 8-bit ops' activation: "none", "relu", "gelu" (erf form) or "gelu_tanh"."""
     if act == "relu":
         return torch.relu(y)
     if act in ("gelu", "gelu_tanh"):
@@ -82,7 +82,7 @@ def _activate(y: Tensor, act: str) -> Tensor:
 def reference(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
               out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """The op's arithmetic in torch ops, float32 after exact sums (products of 8-bit values summed in float64)."""
-    y = _activate(_scaled_sums(a, w, alpha) + beta, act)
+    y = activate(_scaled_sums(a, w, alpha) + beta, act)
     if residual is not None:
         y = y + residual.float()
     if quant:
@@ -163,7 +163,7 @@ def reference_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, resid
         y = y + bias.float()
     if residual is not None:
         y = y + residual.float()
-    return _activate(y, act).to(out_dtype)
+    return activate(y, act).to(out_dtype)
 
 
 @gemm8_lt.register_fake
