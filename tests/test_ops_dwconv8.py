@@ -17,9 +17,11 @@ from lkcnn.ops.qdq import QRANGE
 QDTYPES = (torch.int8, torch.float8_e4m3fn)
 DTYPE_NAME = {torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3fn"}
 # (N, C, H, W, k): RepLKNet-31B's four stages (fewer samples and channels), a map wider than one 64-column tile,
-# a map narrower than the kernel, the largest kernel, odd sizes
+# a map narrower than the kernel, the largest kernel, odd sizes; for the whole-map kernel (maps up to 32 columns):
+# several 32-sample groups, the last one partial, samples split over two blocks, 32 columns, one row
 SHAPES = [(3, 4, 56, 56, 31), (4, 8, 28, 28, 29), (5, 16, 14, 14, 27), (3, 8, 7, 7, 13), (2, 3, 20, 70, 5),
-          (3, 2, 9, 3, 3), (2, 2, 33, 40, MAX_KERNEL), (1, 5, 17, 19, 7)]
+          (3, 2, 9, 3, 3), (2, 2, 33, 40, MAX_KERNEL), (1, 5, 17, 19, 7), (37, 3, 14, 14, 27), (130, 2, 7, 7, 13),
+          (2, 3, 12, 32, 9), (3, 2, 1, 17, 5)]
 
 
 def operands(shape, qdtype, device="cpu", seed=0):

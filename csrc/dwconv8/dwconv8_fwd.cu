@@ -24,41 +24,19 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include "../dwconv/band_mma.cuh"
 #include "dwconv8.h"
+#include "dwconv8_device.cuh"
 
 namespace lkcnn {
 namespace {
 
-constexpr int kThreads = 256;
+using namespace dwconv8;
+
 constexpr int kRowGroups = 2;  // 8-row groups per warp item
-constexpr int kChunks = 3;     // Toeplitz chunks of a kernel row (kernels up to 33 taps), the first left of the block
 constexpr int kPadRows = 8;    // zero rows staged above and below a map
 constexpr int kSmemTarget = 100 * 1024;  // two blocks per SM
-
-struct Args {
-  const uint8_t* x;
-  const uint4* table;
-  const float* alpha;
-  const float* beta;
-  const float* out_scale;
-  void* y;
-  int N, C, H, W, pad;
-  int pairs;       // kernel row pairs
-  int samples;     // per block
-  int row_stride;  // bytes of a staged row: an odd number of 16-byte units
-  int act;         // 0 none, 1 ReLU, 2 GELU
-};
-
-enum class Out { k8, kBf16, kF16, kF32 };
-
-// Bytes of a staged element: the INT8 value, or FP8's value as f16.
-template <bool Fp8>
-constexpr int kElem = Fp8 ? 2 : 1;
 
 // The staged chunks q (input columns col0 + 16 q ..) that can meet the map, inclusive: with the block's first
 // chunk 16 columns left of its first output column, a map of up to 16 (NB = 1) or 32 (NB = 2) columns is chunks
@@ -70,54 +48,6 @@ constexpr int kQHi = Tiled ? NB + kChunks - 1 : NB;
 // Whether some output block uses chunk j's Toeplitz block.
 template <int NB, bool Tiled>
 constexpr bool chunk_used(int j) { return j + NB - 1 >= kQLo<NB, Tiled> && j <= kQHi<NB, Tiled>; }
-
-__device__ __forceinline__ void mma_s8(int (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();  // the host launches these kernels on compute capability 8.0 or newer only
-#endif
-}
-
-// One output value: alpha * sum + beta (two roundings, as the reference computes), the activation, then either
-// QuantizeLinear onto out_scale's grid (int8: round half to even, saturate; e4m3: round to nearest even, saturate at
-// +-448) or the float value.
-template <bool Fp8, Out O, int Act>
-__device__ __forceinline__ void store(void* y, int64_t i, float sum, float alpha, float beta, float scale) {
-  float v = __fadd_rn(__fmul_rn(sum, alpha), beta);
-  if constexpr (Act == 1) v = fmaxf(v, 0.f);
-  else if constexpr (Act == 2) v = v * 0.5f * (1.f + erff(v * 0.70710678118654752f));
-  if constexpr (O == Out::k8) {
-    // a zero (ReLU's half of the values) skips the division, whose check sends a zero numerator to its slow path
-    const float q = fminf(fmaxf(v == 0.f ? v : __fdiv_rn(v, scale), Fp8 ? -448.f : -128.f), Fp8 ? 448.f : 127.f);
-    if constexpr (Fp8)
-      static_cast<__nv_fp8_storage_t*>(y)[i] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-    else
-      static_cast<int8_t*>(y)[i] = int8_t(__float2int_rn(q));
-  } else if constexpr (O == Out::kBf16) {
-    static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
-  } else if constexpr (O == Out::kF16) {
-    static_cast<__half*>(y)[i] = __float2half_rn(v);
-  } else {
-    static_cast<float*>(y)[i] = v;
-  }
-}
-
-// Four staged bytes of one row as the staged elements: copied for INT8, e4m3 -> f16 (exact) for FP8.
-template <bool Fp8>
-__device__ __forceinline__ void stage4(uint8_t* dst, uint32_t bytes) {
-  if constexpr (Fp8) {
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bytes & 0xffff), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bytes >> 16), __NV_E4M3);
-    *reinterpret_cast<uint2*>(dst) =
-        make_uint2(uint32_t(lo.x) | uint32_t(lo.y) << 16, uint32_t(hi.x) | uint32_t(hi.y) << 16);
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) = bytes;
-  }
-}
 
 // The mmas of kernel-row pair p for the item's live row groups: acc[r][nb] += chunk j's Toeplitz block x the
 // input rows of group r at chunk nb + j, for the chunks that can meet the map. top: the input row of the item's
@@ -236,14 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_fwd_kernel(const Args a) 
         stage4<Fp8>(dst + (col - col0) * E, v[u]);
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (col + e < lo || col + e >= hi) continue;
-          const uint8_t byte = uint8_t(v[u] >> (8 * e));
-          if constexpr (Fp8)
-            reinterpret_cast<__half_raw*>(dst)[col + e - col0] = __nv_cvt_fp8_to_halfraw(byte, __NV_E4M3);
-          else
-            dst[col + e - col0] = byte;
-        }
+        for (int e = 0; e < 4; ++e)
+          if (col + e >= lo && col + e < hi) stage1<Fp8>(dst + (col + e - col0) * E, uint8_t(v[u] >> (8 * e)));
       }
     }
   }
@@ -263,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_fwd_kernel(const Args a) 
       Fp8 ? (lane % 8 + lane / 16 + kPadRows) * a.row_stride + lane / 8 % 2 * 16
           : (lane % 8 + lane / 8 % 2 + kPadRows) * a.row_stride + lane / 16 * 16;
   const float alpha = a.alpha[c], beta = a.beta[c];
-  const float scale = O == Out::k8 ? *a.out_scale : 1.f;
+  const OutGrid grid = O == Out::k8 ? out_grid(a.out_scale) : OutGrid{};
 
   for (int item = warp; item < ns * per_sample; item += kThreads / 32) {
     const int s = item / per_sample, rg0 = (item - s * per_sample) * kRowGroups;
@@ -294,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_fwd_kernel(const Args a) 
             const int x = x0 + 16 * nb + g + e / 2 * 8, row = (rg0 + r) * 8 + 2 * t + e % 2;
             if (x < a.W && row < a.H)
               store<Fp8, O, decltype(act)::value>(a.y, out_plane + row * a.W + x, float(acc[r][nb][e]), alpha, beta,
-                                                  scale);
+                                                  grid);
           }
     };
     if (a.act == 1) epilogue(std::integral_constant<int, 1>{});
@@ -362,8 +286,6 @@ void dwconv8_fwd(const at::Tensor& x, const at::Tensor& table, int64_t k, const 
   const auto* props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 8, "lkcnn dwconv8: needs compute capability 8.0 or newer");
 
-  const int nb = W <= 16 ? 1 : W <= 32 ? 2 : 4, elem = fp8 ? 2 : 1;
-  const int units = elem * (nb + kChunks - 1);  // 16-byte units of a staged row
   Args args{};
   args.x = reinterpret_cast<const uint8_t*>(x.const_data_ptr());
   args.table = reinterpret_cast<const uint4*>(table.const_data_ptr());
@@ -373,10 +295,15 @@ void dwconv8_fwd(const at::Tensor& x, const at::Tensor& table, int64_t k, const 
   args.y = y.data_ptr();
   args.N = int(N), args.C = int(C), args.H = int(H), args.W = int(W), args.pad = int(k / 2);
   args.pairs = pairs, args.act = int(act);
+  const int limit = int(props->sharedMemPerBlockOptin);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (launch_small(args, fp8, limit, y.scalar_type(), stream)) return;
+
+  const int nb = W <= 16 ? 1 : W <= 32 ? 2 : 4, elem = fp8 ? 2 : 1;
+  const int units = elem * (nb + kChunks - 1);  // 16-byte units of a staged row
   args.row_stride = 16 * (units % 2 ? units : units + 1);
   const int table_bytes = 2 * pairs * kChunks * 256 * elem;
   const int plane = (int(H) + 2 * kPadRows) * args.row_stride;
-  const int limit = int(props->sharedMemPerBlockOptin);
   TORCH_CHECK(table_bytes + plane <= limit, "lkcnn dwconv8: a ", H, "-row map does not fit shared memory");
   int samples = std::max(1, std::min<int>(int(N), (std::max(kSmemTarget, table_bytes + plane) - table_bytes) / plane));
   const int groups = (int(N) + samples - 1) / samples;
@@ -385,7 +312,6 @@ void dwconv8_fwd(const at::Tensor& x, const at::Tensor& table, int64_t k, const 
   const int smem = table_bytes + samples * plane;
   const dim3 grid(unsigned(C), unsigned(groups), unsigned((W + 16 * nb - 1) / (16 * nb)));
   TORCH_CHECK(grid.z < 65536 && grid.y < 65536, "lkcnn dwconv8: too many sample groups or column tiles");
-  const auto stream = at::cuda::getCurrentCUDAStream();
   if (fp8) launch_width<true>(args, grid, smem, stream, y.scalar_type());
   else launch_width<false>(args, grid, smem, stream, y.scalar_type());
 }

@@ -17,7 +17,7 @@ SOURCES = ("extension.cpp",
            "dwconv/dwconv_fwd_strip.cu", "dwconv/dwconv_branches.cu", "dwconv/layout.cu",
            "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu",
            "gemm8/gemm8_bindings.cpp", "gemm8/gemm8_lt.cu",
-           "dwconv8/dwconv8_bindings.cpp", "dwconv8/dwconv8_fwd.cu")
+           "dwconv8/dwconv8_bindings.cpp", "dwconv8/dwconv8_fwd.cu", "dwconv8/dwconv8_small.cu")
 HEADER_SUFFIXES = (".h", ".cuh")
 CXX_FLAGS = ("-O3",)
 CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
