@@ -42,7 +42,7 @@ def test_variants_select_the_rows_and_bf16_stays(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "nosuchnet"], "--model: 'nosuchnet' is not a timm model name"),
     (["--batch", "0"], "--batch, --steps, --calib-batches and --calib-batch must be positive"),
-    (["--variants", "bf16,int4"], "--variants: int4 not among bf16,int8,fp8,int8-lk8,fp8-lk8"),
+    (["--variants", "bf16,int4"], "--variants: int4 not among bf16,int8,fp8,int8-lk16,fp8-lk16"),
 ])
 def test_bad_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -43,7 +43,7 @@ def layer_inputs(model: nn.Module, names: list[str], x: torch.Tensor) -> dict[st
 def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed, precision):
     batches = [torch.randn(4, 3, 32, 32) for _ in range(2)]
     fake = quantize(deployed, batches, precision, "minmax")
-    model = to_8bit_gemms(fake, large_kernels=True)
+    model = to_8bit_gemms(fake)
     expected = [n for n in gemm_shaped(deployed) if n in fake.lkcnn_quantization["layers"]]
     blocks = [f"stages.{s}.blocks.{b}" for s, stage in enumerate(deployed.stages) for b in range(len(stage.blocks))]
     large_kernels = [f"{name}.large_kernel" for name in blocks if name.endswith(("blocks.0", "blocks.2"))]
@@ -116,7 +116,7 @@ def test_any_channel_count_converts(deployed):
 
 def test_bfloat16_casts_the_float_layers_and_keeps_the_8bit_state(deployed):
     fake = quantize(deployed, [torch.randn(4, 3, 32, 32)], "fp8", "minmax")
-    model = to_8bit_gemms(fake, torch.bfloat16, large_kernels=True)
+    model = to_8bit_gemms(fake, torch.bfloat16)
     assert model.stem[0].conv.weight.dtype == torch.bfloat16 and model.head.weight.dtype == torch.bfloat16
     assert model.stages[0].blocks[0].prelkb_bn.running_var.dtype == torch.bfloat16
     gemm, large = model.stages[0].blocks[0].pw1.conv, model.stages[0].blocks[0].large_kernel
@@ -159,9 +159,9 @@ def test_compiled_bfloat16_8bit_gemms_on_the_gpu(deployed, precision, large_kern
     model.cpu()
 
 
-def test_by_default_the_large_kernels_stay_on_the_float_kernels(deployed):
+def test_the_large_kernels_can_stay_on_the_float_kernels(deployed):
     fake = quantize(deployed, [torch.randn(4, 3, 32, 32)], "int8", "minmax")
-    model = to_8bit_gemms(fake)
+    model = to_8bit_gemms(fake, large_kernels=False)
     assert model.lkcnn_gemm8["large_kernels"] == [] and not any(isinstance(m, DWConv8) for m in model.modules())
     lk = model.stages[0].blocks[0]
     large = lk.large_kernel.lkb_reparam  # fake-quant, its input written on its grid by pw1's epilogue

@@ -2,7 +2,7 @@
 (lkcnn.deploy.gemm8, INT8 and FP8) against its bfloat16 float form, in one call, with GPU time per cost category.
 
     python -m lkcnn.bench deploy8 [--model replknet31b] [--batch 128 1] [--steps 50] [--warmup 5] [--json FILE]
-                                  [--variants bf16,int8,fp8,int8-lk8,fp8-lk8] [--compile-mode max-autotune]
+                                  [--variants bf16,int8,fp8,int8-lk16,fp8-lk16] [--compile-mode max-autotune]
     python -m lkcnn.bench deploy8 --model replknet_tiny --size 32 --batch 4 --steps 2   # a CPU dry run
 
 The network has random weights and BatchNorm statistics, is re-parameterized, and for the 8-bit models quantized
@@ -37,8 +37,8 @@ from lkcnn.deploy.reparam import reparameterize_model
 COMPILE_MODE = "reduce-overhead"
 COMPILE_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("int8", "fp8")
-# "-lk8": the large kernels in 8 bits too (to_8bit_gemms(large_kernels=True)); else on the 16-bit kernels
-VARIANTS = ("bf16", *PRECISIONS, *(f"{p}-lk8" for p in PRECISIONS))
+# "-lk16": the large kernels on the 16-bit kernels (to_8bit_gemms(large_kernels=False)); else in 8 bits too
+VARIANTS = ("bf16", *PRECISIONS, *(f"{p}-lk16" for p in PRECISIONS))
 TOP_KERNELS = 15  # kept per row in the record, to check the categories against the kernels' names
 
 
@@ -57,9 +57,9 @@ def models(args: argparse.Namespace, device: torch.device) -> dict[str, nn.Modul
     float_model = deployed(args.model, device)
     batches = [torch.randn(args.calib_batch, 3, args.size, args.size, device=device)
                for _ in range(args.calib_batches)]
-    precision = {v: v.split("-")[0] for v in args.variants if v != "bf16"}  # "fp8-lk8" -> "fp8"
+    precision = {v: v.split("-")[0] for v in args.variants if v != "bf16"}  # "fp8-lk16" -> "fp8"
     fake = {p: quantize(float_model, batches, p) for p in PRECISIONS if p in precision.values()}
-    eight_bit = {v: to_8bit_gemms(fake[p], torch.bfloat16, large_kernels=v.endswith("-lk8"))
+    eight_bit = {v: to_8bit_gemms(fake[p], torch.bfloat16, large_kernels=not v.endswith("-lk16"))
                  for v, p in precision.items()}
     variants = {"bf16": float_model.to(torch.bfloat16), **eight_bit}  # bf16 always: the ratios' denominator
     return {name: model.to(memory_format=torch.channels_last) for name, model in variants.items()}
@@ -138,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--calib-batches", type=int, default=4, help="random calibration batches")
     parser.add_argument("--calib-batch", type=int, default=16, help="images per calibration batch")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=["bf16", *PRECISIONS],
-                        help="comma-separated, of bf16,int8,fp8,int8-lk8,fp8-lk8 (-lk8: the large kernels in 8 "
-                             "bits too; bf16 is always measured: the ratios' denominator)")
+                        help="comma-separated, of bf16,int8,fp8,int8-lk16,fp8-lk16 (-lk16: the large kernels on "
+                             "the 16-bit kernels; bf16 is always measured: the ratios' denominator)")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default=COMPILE_MODE,
                         help="torch.compile mode on a GPU")
     parser.add_argument("--json", help="write an lkcnn-benchmark/1 record (kind deploy8) to this path")

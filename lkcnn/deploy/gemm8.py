@@ -17,10 +17,11 @@ epilogue takes in (`to_8bit_gemms`):
     goes from one GEMM to the next in 8 bits, the large kernel's input is written on its 8-bit grid;
   - before a conv-BN `nn.Sequential` with a fake-quant conv (a stage transition's stride-2 depthwise conv), that
     conv's input grid.
-With `large_kernels=True`, a RepLKBlock's large depthwise convolution (odd square kernels up to 33 taps) runs in 8
-bits too, as one `torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it, and
-its epilogue applies the scale, bias and the block's activation and writes the next GEMM's 8-bit input. Every other
-layer (by default the large kernels, the stride-2 depthwise convolutions, the float stem and classifier) runs as in
+A RepLKBlock's large depthwise convolution (odd square kernels up to 33 taps) runs in 8 bits too, as one
+`torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it, and its epilogue applies
+the scale, bias and the block's activation and writes the next GEMM's 8-bit input (`large_kernels=False` keeps it on
+the 16-bit kernels, its input on its 8-bit grid). Every other layer (the stride-2 depthwise convolutions, the float
+stem and classifier) runs as in
 the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses it too. The 8-bit blocks are
 inference modules: stochastic depth, an identity in eval mode, is not applied.
 """
@@ -255,15 +256,15 @@ def _fuse_blocks(model: nn.Module, large_kernels: bool) -> list[str]:
     return swapped
 
 
-def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kernels: bool = False) -> nn.Module:
+def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kernels: bool = True) -> nn.Module:
     """A copy of the fake-quant `model` (`lkcnn.deploy.quantize.quantize`, or `lkcnn.load_deployed` of an 8-bit
     export) whose GEMM layers run in 8 bits with fused epilogues on the model's device; `model` is unchanged.
 
     `dtype` (e.g. torch.bfloat16) casts the float state outside the 8-bit layers (stem, BatchNorms, classifier) and
     is the dtype of the GEMMs' float outputs (default float32): `model.to(dtype)` would also cast the FP8 weights and
-    the float32 scales. `large_kernels=True` runs RepLKBlocks' large kernels in 8 bits too (DWConv8); by default they
-    run on the 16-bit kernels, on inputs on their 8-bit grid, which is faster today (docs/export.md, "8-bit
-    execution"). The copy's `lkcnn_gemm8` records the precision, the converted layers, the fused blocks and the
+    the float32 scales. RepLKBlocks' large kernels run in 8 bits too (DWConv8), faster than the 16-bit kernels at
+    every RepLKNet-31B stage (docs/export.md, "8-bit execution"); `large_kernels=False` keeps them on the 16-bit
+    kernels, on inputs on their 8-bit grid. The copy's `lkcnn_gemm8` records the precision, the converted layers, the fused blocks and the
     large kernels that run in 8 bits.
     """
     quantization = getattr(model, "lkcnn_quantization", None)
