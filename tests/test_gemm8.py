@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def deployed() -> nn.Module:
+    torch.manual_seed(0)
     model = timm.create_model("replknet_tiny", num_classes=5, kernel_sizes=[7, 5, 3, 3], small_kernel=3)
     return reparameterize_model(randomize_bn(model).eval())
 
@@ -41,6 +42,7 @@ def layer_inputs(model: nn.Module, names: list[str], x: torch.Tensor) -> dict[st
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed, precision):
+    torch.manual_seed(1)
     batches = [torch.randn(4, 3, 32, 32) for _ in range(2)]
     fake = quantize(deployed, batches, precision, "minmax")
     model = to_8bit_gemms(fake)
@@ -84,14 +86,17 @@ def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed
 
     # Block by block on the fake-quant model's own inputs, then the whole network. The fused epilogue computes in
     # float32 what the fake-quant model computes op by op (conv, then BatchNorm, activation, addition), so a value
-    # at a rounding boundary of an 8-bit grid may land one step over; measured on this model: ~1e-7 relative per
-    # block and at the logits, 1e-3 where a value crossed.
+    # at a rounding boundary of an 8-bit grid may land one step over. Measured on this model over 12 seeds: INT8
+    # ~1e-7 relative per block and at the logits, up to 2e-4 and 1.5e-3 where a value crossed; FP8, whose GEMMs
+    # apply GELU in cuBLASLt's tanh form and whose steps are 1/16-1/8 of a value, up to 1.1e-2 per block and 2.7e-2
+    # at the logits.
+    block_tol, logits_tol = (1e-2, 2e-2) if precision == "int8" else (2e-2, 5e-2)
     names = blocks + [f"transitions.{t}" for t in range(3)]
     for name, (inputs, reference) in layer_inputs(fake, names, x).items():
         with torch.no_grad():
-            assert rel_err(model.get_submodule(name)(inputs), reference) < 1e-2, name
+            assert rel_err(model.get_submodule(name)(inputs), reference) < block_tol, name
     with torch.no_grad():
-        assert rel_err(model(x), fake(x)) < 2e-2
+        assert rel_err(model(x), fake(x)) < logits_tol
 
 
 def test_any_channel_count_converts(deployed):

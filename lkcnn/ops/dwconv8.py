@@ -7,9 +7,9 @@ FP8 e4m3), with what follows it in an 8-bit inference engine fused into its epil
 `out_scale`'s grid (int8: round half to even, saturate at [-128, 127]; e4m3: round to nearest even, saturate at
 +-448) written in x's 8-bit dtype, or, without `out_scale`, the float value in `out_dtype`. x is NCHW.
 
-The kernel (csrc/dwconv8/dwconv8_fwd.cu) multiplies Toeplitz blocks of the weights with the map's rows on the
-tensor cores; `pack_weight` lays the weights out as those blocks once per model (`table`), and the op takes the
-table. Why our own kernel: PyTorch has no 8-bit depthwise convolution, and the float kernels would read a 16-bit
+The kernels (csrc/dwconv8/) multiply Toeplitz blocks of the weights with the map on the tensor cores: a map of up
+to 32 columns as one GEMM per channel (samples x output positions), wider maps in strips of rows; `pack_weight` lays
+the weights out as those blocks once per model (`table`), and the op takes the table. Why our own kernel: PyTorch has no 8-bit depthwise convolution, and the float kernels would read a 16-bit
 copy of the input and write a 16-bit output for a separate quantization pass. Elsewhere (and as the tests' oracle)
 the op runs the same arithmetic in torch ops.
 """
