@@ -304,7 +304,8 @@ void dwconv8_fwd(const at::Tensor& x, const at::Tensor& table, int64_t k, const 
   args.row_stride = 16 * (units % 2 ? units : units + 1);
   const int table_bytes = 2 * pairs * kChunks * 256 * elem;
   const int plane = (int(H) + 2 * kPadRows) * args.row_stride;
-  TORCH_CHECK(table_bytes + plane <= limit, "lkcnn dwconv8: a ", H, "-row map does not fit shared memory");
+  TORCH_CHECK(table_bytes + plane <= limit, "lkcnn dwconv8: a ", H, "-row map does not fit a block's shared memory; "
+              "run such large kernels on the 16-bit kernels: to_8bit_gemms(..., large_kernels=False)");
   int samples = std::max(1, std::min<int>(int(N), (std::max(kSmemTarget, table_bytes + plane) - table_bytes) / plane));
   const int groups = (int(N) + samples - 1) / samples;
   samples = (int(N) + groups - 1) / groups;  // the same number of blocks, evenly filled

@@ -277,7 +277,8 @@ bool launch_small(Args args, bool fp8, int smem_limit, at::ScalarType out, cudaS
   const int group_bytes = kSampleTile * (args.row_stride + raw_bytes(args.H * args.W));
   if (table_bytes + group_bytes > smem_limit) return false;
   const int fit = std::max(1, (kSmemTarget - table_bytes) / group_bytes);
-  const int per_block = kSampleTile * std::min({fit, kMaxSamples / kSampleTile, (args.N + kSampleTile - 1) / kSampleTile});
+  const int groups = (args.N + kSampleTile - 1) / kSampleTile;
+  const int per_block = kSampleTile * std::min({fit, kMaxSamples / kSampleTile, groups});
   const int blocks = (args.N + per_block - 1) / per_block;
   args.samples = (args.N + blocks - 1) / blocks;  // the same number of blocks, evenly filled
   const int smem = table_bytes + (args.samples + kSampleTile - 1) / kSampleTile * group_bytes;
