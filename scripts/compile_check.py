@@ -6,6 +6,7 @@ compiler, as torch.utils.cpp_extension would build them; the files compile in pa
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,9 @@ def compile_all(arch: str = "90", verbose: bool = True, directory: Path | None =
     directory = directory or csrc_dir()
     out_dir = Path(tempfile.mkdtemp(prefix="lkcnn_cc_"))
     jobs = [(directory / name, out_dir / f"{Path(name).name}.o") for name in SOURCES]
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+    # one compiler per core: each holds torch's headers (~1 GB), and all of them at once on a small machine ran out
+    # of memory, for no gain in time where they share its cores
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
         results = list(pool.map(lambda job: subprocess.run(_command(*job, arch), capture_output=True, text=True), jobs))
     for (src, _), proc in zip(jobs, results):
         if verbose:

@@ -193,7 +193,7 @@ class RepLKBlock8(nn.Module):
     DWConv8's epilogue applies the block's activation and writes pw2's 8-bit input); pw2's applies BatchNorm and adds
     the residual."""
 
-    def __init__(self, block: RepLKBlock, large_kernel_8bit: bool = False) -> None:
+    def __init__(self, block: RepLKBlock, large_kernel_8bit: bool = True) -> None:
         super().__init__()
         self.prelkb_bn, self.pw1, self.large_kernel = block.prelkb_bn, block.pw1, block.large_kernel
         self.lk_nonlinear, self.pw2 = block.lk_nonlinear, block.pw2
