@@ -1,9 +1,9 @@
 """Per-layer A/B of RepLKNet-31B's large depthwise convolutions in deploy form (batch 128, its four stage shapes) on
-one GPU: the 16-bit path the deployed model runs by default (lkcnn.dwconv2d on a bf16 channels_last input, its
-layout copies included, then ReLU) against lkcnn.dwconv8 in INT8 and FP8 (8-bit NCHW in, the ReLU and the
-quantization for the next GEMM in its epilogue, 8-bit out), alone and with the two 8-bit layout copies around it that
-a model pays where no pass before it writes NCHW. Device time of CUDA-graph replays (triton's do_bench: L2 flushed,
-median), and the ratio to the 16-bit path.
+one GPU: the 16-bit path (bf16 models, and 8-bit ones with large_kernels=False: lkcnn.dwconv2d on a bf16
+channels_last input, its layout copies included, then ReLU) against lkcnn.dwconv8 in INT8 and FP8 (8-bit NCHW in, the
+ReLU and the quantization for the next GEMM in its epilogue, 8-bit out), alone and with the two 8-bit layout copies
+around it that a model pays where no pass before it writes NCHW. Device time of CUDA-graph replays (triton's
+do_bench: L2 flushed, median), and the ratio to the 16-bit path.
 
     python scripts/dwconv8_layers.py [--batch 128]
 """

@@ -21,9 +21,8 @@ A RepLKBlock's large depthwise convolution (odd square kernels up to 33 taps) ru
 `torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it, and its epilogue applies
 the scale, bias and the block's activation and writes the next GEMM's 8-bit input (`large_kernels=False` keeps it on
 the 16-bit kernels, its input on its 8-bit grid). Every other layer (the stride-2 depthwise convolutions, the float
-stem and classifier) runs as in
-the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses it too. The 8-bit blocks are
-inference modules: stochastic depth, an identity in eval mode, is not applied.
+stem and classifier) runs as in the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses
+it too. The 8-bit blocks are inference modules: stochastic depth, an identity in eval mode, is not applied.
 """
 from __future__ import annotations
 
@@ -263,9 +262,9 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kern
     `dtype` (e.g. torch.bfloat16) casts the float state outside the 8-bit layers (stem, BatchNorms, classifier) and
     is the dtype of the GEMMs' float outputs (default float32): `model.to(dtype)` would also cast the FP8 weights and
     the float32 scales. RepLKBlocks' large kernels run in 8 bits too (DWConv8), faster than the 16-bit kernels at
-    every RepLKNet-31B stage (docs/export.md, "8-bit execution"); `large_kernels=False` keeps them on the 16-bit
-    kernels, on inputs on their 8-bit grid. The copy's `lkcnn_gemm8` records the precision, the converted layers, the fused blocks and the
-    large kernels that run in 8 bits.
+    every RepLKNet-31B stage at batch 128 (docs/export.md, "8-bit execution"); `large_kernels=False` keeps them on the
+    16-bit kernels, on inputs on their 8-bit grid. The copy's `lkcnn_gemm8` records the precision, the converted
+    layers, the fused blocks and the large kernels that run in 8 bits.
     """
     quantization = getattr(model, "lkcnn_quantization", None)
     if quantization is None or not any(isinstance(m, QuantLayer) for m in model.modules()):
