@@ -109,6 +109,26 @@ __device__ __forceinline__ void stage4(uint8_t* dst, uint32_t bytes) {
   }
 }
 
+// An asynchronous copy of 16 or 4 bytes from global to shared memory (16: bypassing L1), waited for by
+// cp_async_wait_all.
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(Bytes == 16 || Bytes == 4, "cp.async copies 4, 8 or 16 bytes; these kernels use 16 and 4");
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (Bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// The aligned 4-byte word of x at byte `word` whose end lies past the tensor's `total` bytes: its bytes inside the
+// tensor, zeros after (no read past the end).
+__device__ __forceinline__ uint32_t tail_word(const uint8_t* x, int64_t word, int64_t total) {
+  uint32_t v = 0;
+  for (int e = 0; word + e < total; ++e) v |= uint32_t(__ldg(x + word + e)) << (8 * e);
+  return v;
+}
+
 // One staged element: the INT8 byte, or FP8's value as f16.
 template <bool Fp8>
 __device__ __forceinline__ void stage1(uint8_t* dst, uint8_t byte) {

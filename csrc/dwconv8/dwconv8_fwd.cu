@@ -116,10 +116,7 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_fwd_kernel(const Args a) 
 
   // The table, and the staging area zeroed (padding rows and columns stay zero).
   const uint4* gt = a.table + int64_t(c) * (table_bytes / 16);
-  for (int i = threadIdx.x; i < table_bytes / 16; i += kThreads)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                     static_cast<uint32_t>(__cvta_generic_to_shared(table + 16 * i))),
-                 "l"(gt + i));
+  for (int i = threadIdx.x; i < table_bytes / 16; i += kThreads) cp_async<16>(table + 16 * i, gt + i);
   for (int i = threadIdx.x; i < ns * plane / 16; i += kThreads)
     reinterpret_cast<uint4*>(xs)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
@@ -145,12 +142,7 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_fwd_kernel(const Args a) 
         const int64_t start = (plane0 - a.x) + s * sample_stride + int64_t(row) * a.W;  // the row's first byte
         const int64_t word = ((start + lo) & ~int64_t(3)) + 4 * w;
         if (word < start + hi) {
-          if (word + 4 <= total) {
-            v[u] = __ldg(reinterpret_cast<const uint32_t*>(a.x + word));
-          } else {  // the tensor's last bytes: no read past its end
-            v[u] = 0;
-            for (int e = 0; word + e < total; ++e) v[u] |= uint32_t(__ldg(a.x + word + e)) << (8 * e);
-          }
+          v[u] = word + 4 <= total ? __ldg(reinterpret_cast<const uint32_t*>(a.x + word)) : tail_word(a.x, word, total);
           col_of[u] = int(word - start);
         }
         row += kThreads / kWords;
@@ -171,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_fwd_kernel(const Args a) 
       }
     }
   }
-  asm volatile("cp.async.wait_all;\n" ::);
+  cp_async_wait_all();
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

@@ -52,10 +52,14 @@ __device__ __forceinline__ uint32_t plane_shift(int n, int c, int C, int hw) {
   return (uint32_t(n) * uint32_t(C) + uint32_t(c)) * uint32_t(hw) & 3u;
 }
 
-__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes_16_or_4) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  if (bytes_16_or_4 == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+// Plane (n, c) of an (N, C, H, W) tensor as aligned 4-byte words: its first byte, the first word's, and how many.
+struct PlaneWords {
+  int64_t start, base;
+  int words;
+};
+__device__ __forceinline__ PlaneWords plane_words(int n, int c, int C, int hw) {
+  const int64_t start = (int64_t(n) * C + c) * hw, base = start & ~int64_t(3);
+  return {start, base, int((start + hw - base + 3) / 4)};
 }
 
 template <bool Fp8, int Pitch, Out O>
@@ -82,29 +86,23 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_small_kernel(const Args a
   for (int i = threadIdx.x; i < 2 * H * kUnits; i += kThreads) {
     const int e = i / kUnits, d = e - (H - 1) + a.pad;
     if (d >= 0 && d < k)
-      cp_async(table + 16 * i, gt + (d * kChunks + G::kChunkLo) * 16 * E + (i - e * kUnits), 16);
+      cp_async<16>(table + 16 * i, gt + (d * kChunks + G::kChunkLo) * 16 * E + (i - e * kUnits));
     else
       reinterpret_cast<uint4*>(table)[i] = make_uint4(0, 0, 0, 0);
   }
   const int64_t total = int64_t(a.N) * a.C * HW;
   for (int s = warp; s < ns; s += kThreads / 32) {
-    const int64_t start = (int64_t(n0 + s) * a.C + c) * HW, base = start & ~int64_t(3);
-    const int words = int((start + HW - base + 3) / 4);
-    for (int w = lane; w < words; w += 32) {
+    const PlaneWords p = plane_words(n0 + s, c, a.C, HW);
+    for (int w = lane; w < p.words; w += 32) {
       uint8_t* dst = raw + s * raw_stride + 4 * w;
-      const int64_t word = base + 4 * w;
-      if (word + 4 <= total) {
-        cp_async(dst, a.x + word, 4);
-      } else {  // the tensor's last bytes: no read past its end
-        uint32_t v = 0;
-        for (int e = 0; word + e < total; ++e) v |= uint32_t(__ldg(a.x + word + e)) << (8 * e);
-        *reinterpret_cast<uint32_t*>(dst) = v;
-      }
+      const int64_t word = p.base + 4 * w;
+      if (word + 4 <= total) cp_async<4>(dst, a.x + word);
+      else *reinterpret_cast<uint32_t*>(dst) = tail_word(a.x, word, total);
     }
   }
   for (int i = threadIdx.x; i < groups_m * kSampleTile * a.row_stride / 16; i += kThreads)
     reinterpret_cast<uint4*>(xs)[i] = make_uint4(0, 0, 0, 0);
-  asm volatile("cp.async.wait_all;\n" ::);
+  cp_async_wait_all();
   __syncthreads();
 
   // Phase 2: each plane from `raw` to the staged map at the pitch, four columns per lane (two aligned words of
@@ -233,11 +231,10 @@ __global__ void __launch_bounds__(kThreads, 2) dwconv8_small_kernel(const Args a
   // belong to the neighbouring planes).
   __syncthreads();
   for (int s = warp; s < ns; s += kThreads / 32) {
-    const int64_t start = (int64_t(n0 + s) * a.C + c) * HW, base = start & ~int64_t(3);
-    const int words = int((start + HW - base + 3) / 4);
+    const PlaneWords p = plane_words(n0 + s, c, a.C, HW);
     const uint32_t* src = reinterpret_cast<const uint32_t*>(raw + s * raw_stride);
-    for (int w = lane; w < words; w += 32) {
-      const int64_t word = base + 4 * w;
+    for (int w = lane; w < p.words; w += 32) {
+      const int64_t word = p.base + 4 * w, start = p.start;
       const uint32_t v = src[w];
       if (word >= start && word + 4 <= start + HW) {
         *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(a.y) + word) = v;
