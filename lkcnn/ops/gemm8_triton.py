@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 RSQRT2 = tl.constexpr(0.7071067811865476)  # erf-form GELU, as nn.GELU() computes by default
-ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + ROUND) - ROUND rounds a float32 |y| < 2^22 half to even
+# 1.5 * 2^23: y + ROUND rounds a float32 |y| < 2^22 half to even, the result's bits are 0x4B400000 + round(y)
+ROUND = tl.constexpr(12582912.0)
 # Hopper's FP8 tensor cores add products into an accumulator of about 14 mantissa bits (Triton's default there lets
 # the whole K run so); adding each 32-deep product into the float32 accumulator keeps float32 sums, as cuBLASLt does
 # without its fast-accumulation mode
@@ -52,6 +53,18 @@ def _dot(a, w_t, acc, IS_INT: tl.constexpr):
 
 
 @triton.jit
+def _erf(x):
+    """erf(x) within 6e-7 (Abramowitz & Stegun 7.1.26, 1.5e-7, and float32's cancellation in 1 - p near 0) in about
+    half of libdevice's instructions: its erff, to an ulp, was most of a GELU epilogue's issue slots, which bound the
+    FFN's first GEMM. GELU's error is then under 3e-7 |y|, far inside an 8-bit grid's steps."""
+    t = tl.abs(x)
+    k = 1.0 / (1.0 + 0.3275911 * t)
+    p = k * (0.254829592 + k * (-0.284496736 + k * (1.421413741 + k * (-1.453152027 + k * 1.061405429))))
+    r = 1.0 - p * tl.exp(-t * t)
+    return tl.where(x < 0.0, -r, r)
+
+
+@triton.jit
 def _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT: tl.constexpr):
     n_in = offs_n < N
     alpha = tl.load(alpha_ptr + offs_n, mask=n_in, other=0.0)
@@ -60,18 +73,36 @@ def _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT: tl.constexpr):
     if ACT == 1:
         y = tl.maximum(y, 0.0)
     elif ACT == 2:
-        y = 0.5 * y * (1.0 + tl.erf(y * RSQRT2))
+        y = 0.5 * y * (1.0 + _erf(y * RSQRT2))
     return y
+
+
+@triton.jit
+def _quotient(y, scale):
+    """y / scale correctly rounded, as QuantizeLinear divides (a reciprocal multiply alone rounds differently),
+    without `div_rn`'s branch to its slow path for every element, which serialized the epilogue: the correctly
+    rounded reciprocal, then two corrections by the exact remainder (Markstein's; the second starts within half an
+    ulp, so it rounds correctly), as lkcnn's 8-bit large kernel does (csrc/dwconv8/dwconv8_device.cuh). |y| is
+    first clamped to 1024 scales, where every 8-bit grid has saturated, so nothing overflows; a zero keeps its sign."""
+    inv = tl.div_rn(1.0, scale)
+    c = tl.minimum(tl.maximum(y, -1024.0 * scale), 1024.0 * scale)
+    q = c * inv
+    q = tl.fma(tl.fma(-q, scale, c), inv, q)
+    q = tl.fma(tl.fma(-q, scale, c), inv, q)
+    return tl.where(y == 0.0, y, q)
 
 
 @triton.jit
 def _quantize(y, scale_ptr, GRID: tl.constexpr, DEQUANT: tl.constexpr):
     if GRID != 0:
         scale = tl.load(scale_ptr)
-        y = tl.div_rn(y, scale)  # QuantizeLinear divides (a reciprocal multiply rounds differently)
+        y = _quotient(y, scale)
         if GRID == 1:  # int8
-            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-            y = (y + ROUND) - ROUND  # as torch.round; saturating first rounds the same (the bounds are integers)
+            y = tl.minimum(tl.maximum(y, -128.0), 127.0) + ROUND  # saturating first rounds as torch.round does
+            if DEQUANT:
+                y = y - ROUND
+            else:  # the sum's low byte is the rounded value in two's complement: no float-to-int conversion, which
+                y = y.to(tl.int32, bitcast=True).to(tl.int8)  # runs at a quarter of the FMA rate on Hopper
         else:  # float8_e4m3fn: saturate, then the cast rounds to nearest even
             y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
         if DEQUANT:
