@@ -3,7 +3,9 @@ validation set of one of train.py's data configs (conf/data/*.yaml).
 
 SOURCE is an export folder (float or 8-bit: `lkcnn.load_deployed`) or a checkpoint (re-parameterized and verified
 the way the exporter does it). Prints `top1=... top5=... images/s=...`; images/s counts the model's time only
-(CUDA events around each call on a GPU, the first batch left out as warm-up), not the loading of the images.
+(CUDA events around each call on a GPU, the first batch left out as warm-up), not the loading of the images. On a GPU
+an 8-bit export runs as deployed, its GEMMs and large kernels in 8 bits (`lkcnn.deploy.gemm8`); on the CPU, and for
+FP8 on a GPU without FP8 tensor cores, it runs its fake-quant reference.
 
 This module also turns a data config into calibration batches for the 8-bit exporter: data configs are the training
 app's (Hydra, lkcnn.training), a layer above lkcnn.deploy.
@@ -157,6 +159,18 @@ def load_source(source: Path, model_name: str | None = None, overrides: dict[str
     return model, getattr(model, "lkcnn_quantization", {}).get("precision", "fp32")
 
 
+def on_device(model: nn.Module, precision: str, device: torch.device) -> tuple[nn.Module, str]:
+    """The model to evaluate on `device` and how it runs there: on a GPU an 8-bit model with its GEMMs and large
+    kernels in 8 bits (float32 activations, the fake-quant model's), else `model` itself."""
+    from lkcnn.deploy.gemm8 import FP8_CAPABILITY, to_8bit_gemms
+
+    if precision not in ("int8", "fp8") or device.type != "cuda":
+        return model, precision
+    if precision == "fp8" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        return model, "fp8 as fake-quant reference (no FP8 tensor cores)"
+    return to_8bit_gemms(model.to(device)), f"{precision} on 8-bit kernels"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: evaluate an export folder or a checkpoint on a data config's validation set."""
     parser = argparse.ArgumentParser(
@@ -189,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         from lkcnn.models import parse_model_args
 
         model, precision = load_source(args.source, args.model, parse_model_args(args.model_args), args.ema)
+        model, precision = on_device(model, precision, device)
         datamodule = make_datamodule(args.overrides)
         result = evaluate(model, datamodule, device, args.limit_batches)
     except (ValueError, OSError) as e:  # DataError, ExportError, CheckpointError, a damaged export, ...

@@ -36,7 +36,7 @@ from lkcnn.deploy.quantize import (
 )
 from lkcnn.deploy.quantized_export import _write_onnx, deployed_from_checkpoint, export_quantized, median_image_error
 from lkcnn.deploy.reparam import reparameterize_model
-from lkcnn.evaluate import calibration_batches, evaluate, make_datamodule
+from lkcnn.evaluate import calibration_batches, evaluate, make_datamodule, on_device
 from lkcnn.evaluate import main as evaluate_main
 from lkcnn.ops.qdq import fake_quantize, quantize_linear
 
@@ -195,10 +195,10 @@ def test_per_tensor_weights_and_the_snr_measurements():
 # --------------------------------------------------------------------------------------- a trained digits model
 @pytest.fixture(scope="session")
 def digits_checkpoint(tmp_path_factory) -> Path:
-    """The default run (`python train.py`: replknet_tiny_32px on digits, 20 epochs; about 150 s on one thread) and
-    its best checkpoint, the model the 8-bit accuracy target is set for. A shorter run is no stand-in: its small
-    logit margins turn any rounding into lost predictions (a 3-epoch run at 91% top-1 loses 4 of its 359 validation
-    predictions in bfloat16 and 2-6 in INT8 with any setting)."""
+    """The default run (`python train.py`: replknet_tiny_32px on digits, 20 epochs; about 150 s on one thread, on the
+    CPU on a GPU machine too) and its best checkpoint, the model the 8-bit accuracy target is set for. A shorter run is
+    no stand-in: its small logit margins turn any rounding into lost predictions (a 3-epoch run at 91% top-1 loses 4 of
+    its 359 validation predictions in bfloat16 and 2-6 in INT8 with any setting)."""
     spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")
     train_app = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_app)
@@ -208,7 +208,7 @@ def digits_checkpoint(tmp_path_factory) -> Path:
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=[f"paths.output_dir={out}", f"paths.runs_dir={out}", "cpu_threads=1",
-                                              "callbacks.progress_bar.refresh_rate=0"])
+                                              "callbacks.progress_bar.refresh_rate=0", "trainer.accelerator=cpu"])
         assert train_app.train(cfg)["val/acc1"] > 0.9
     finally:
         torch.set_num_threads(threads)
@@ -262,6 +262,31 @@ def test_int8_and_fp8_exports_keep_the_digits_accuracy(digits_checkpoint, calibr
                                                    providers=["CPUExecutionProvider"])
             (logits,) = session.run(None, {"input": x.numpy()})
             assert median_image_error(torch.from_numpy(logits), reference) < tolerance, (precision, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_evaluate_runs_an_8bit_export_on_the_8bit_kernels_on_a_gpu(digits_checkpoint, calibration, digits_val,
+                                                                    tmp_path):
+    """On a GPU `python -m lkcnn.evaluate` runs an 8-bit export as deployed (lkcnn.deploy.gemm8): the top-1 of its
+    fake-quant reference on the CPU, but for the few predictions whose logits a rounding boundary separates (INT8) or
+    that FP8's GEMMs move with GELU in cuBLASLt's tanh form (3 of 359 for one digits model on the op's CPU path)."""
+    from lkcnn.deploy.gemm8 import FP8_CAPABILITY, Gemm8
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for precision in ("int8", "fp8"):
+        out = tmp_path / precision
+        export_quantized(digits_checkpoint, out, precision, calibration, "data=digits")
+        model = lkcnn.load_deployed(out)
+        reference = evaluate(model, digits_val, cpu)["top1"]
+        runnable, how = on_device(model, precision, gpu)
+        if precision == "fp8" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+            assert runnable is model and how == "fp8 as fake-quant reference (no FP8 tensor cores)"
+            continue
+        assert how == f"{precision} on 8-bit kernels" and any(isinstance(m, Gemm8) for m in runnable.modules())
+        top1 = evaluate(runnable, digits_val, gpu)["top1"]
+        assert abs(top1 - reference) <= {"int8": 2, "fp8": 5}[precision] / 359, (precision, top1, reference)
+    assert on_device(model, precision, cpu) == (model, precision)  # the CPU runs the reference
 
 
 def test_export_refuses_a_model_that_disagrees_and_writes_nothing(digits_checkpoint, calibration, tmp_path):
