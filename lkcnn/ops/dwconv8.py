@@ -11,8 +11,8 @@ The kernels (csrc/dwconv8/) multiply Toeplitz blocks of the weights with the map
 to 32 columns as one GEMM per channel (samples x output positions), wider maps in strips of rows; `pack_weight` lays
 the weights out as those blocks once per model (`table`), and the op takes the table. Why our own kernel: PyTorch
 has no 8-bit depthwise convolution, and the float kernels would read a 16-bit copy of the input and write a 16-bit
-output for a separate quantization pass. Elsewhere (and as the tests' oracle)
-the op runs the same arithmetic in torch ops.
+output for a separate quantization pass. Elsewhere (and as the tests' oracle) the op runs the same arithmetic in
+torch ops.
 """
 from __future__ import annotations
 
