@@ -11,6 +11,7 @@ from conftest import randomize_bn, rel_err
 from lkcnn.deploy.gemm8 import ConvFFN8, DWConv8, Gemm8, RepLKBlock8, to_8bit_gemms
 from lkcnn.deploy.quantize import QuantConv2d, QuantizeError, QuantLinear, quantize
 from lkcnn.deploy.reparam import reparameterize_model
+from lkcnn.ops.qdq import quantize_values
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,8 +50,12 @@ def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed
     expected = [n for n in gemm_shaped(deployed) if n in fake.lkcnn_quantization["layers"]]
     blocks = [f"stages.{s}.blocks.{b}" for s, stage in enumerate(deployed.stages) for b in range(len(stage.blocks))]
     large_kernels = [f"{name}.large_kernel" for name in blocks if name.endswith(("blocks.0", "blocks.2"))]
+    # every block but a stage's last writes the next block's input, where its last GEMM runs on the Triton kernel
+    next_inputs = [f"stages.{s}.blocks.{b}.pw2.conv" for s, stage in enumerate(deployed.stages)
+                   for b in range(len(stage.blocks) - 1)] if precision == "int8" else []
     assert len(expected) == 23 and model.lkcnn_gemm8 == {"precision": precision, "layers": expected,
-                                                         "fused_blocks": blocks, "large_kernels": large_kernels}
+                                                         "fused_blocks": blocks, "large_kernels": large_kernels,
+                                                         "next_inputs": next_inputs}
     for name, module in model.named_modules():
         assert isinstance(module, Gemm8) == (name in expected), name
         if name in expected:
@@ -94,7 +99,17 @@ def test_every_gemm_layer_converts_with_what_follows_it_in_its_epilogue(deployed
     names = blocks + [f"transitions.{t}" for t in range(3)]
     for name, (inputs, reference) in layer_inputs(fake, names, x).items():
         with torch.no_grad():
-            assert rel_err(model.get_submodule(name)(inputs), reference) < block_tol, name
+            out = model.get_submodule(name)(inputs)
+            if isinstance(out, tuple):  # (output, the next block's 8-bit input): its BatchNorm and quantization
+                out, nxt = out
+                stage, _, index = name.rpartition(".")
+                after = f"{stage}.{int(index) + 1}"
+                bn = model.get_submodule(after).pre_bn  # the fake-quant block's prelkb_bn / preffn_bn
+                first = model.get_submodule(f"{after}.pw1.conv")
+                assert f"{name}.pw2.conv" in next_inputs and nxt.dtype == first.qdtype
+                expected_next = quantize_values(bn(reference), first.input_scale, first.qdtype)
+                assert rel_err(nxt.float(), expected_next.float()) < block_tol, name
+            assert rel_err(out, reference) < block_tol, name
     with torch.no_grad():
         assert rel_err(model(x), fake(x)) < logits_tol
 

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import grid_step
-from lkcnn.ops.gemm8 import ACTS, LT_ACTS, LT_BIAS_DTYPES, LT_OUT_DTYPES, gemm8, gemm8_lt, launch, reference
-from lkcnn.ops.qdq import QRANGE
+from lkcnn.ops.gemm8 import (ACTS, LT_ACTS, LT_BIAS_DTYPES, LT_OUT_DTYPES, gemm8, gemm8_lt, gemm8_next, launch,
+                             reference)
+from lkcnn.ops.qdq import QRANGE, quantize_values
 
 QDTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 SHAPES = [(1, 16, 16), (37, 24, 40), (300, 200, 136), (1031, 256, 512)]  # (M, N, K): ragged tiles, one row, deep K
@@ -156,6 +157,80 @@ def test_triton_kernel_against_the_reference(quant, shape):
         else:
             err, exp = (out.double() - expected.double()).abs(), expected.double()
             assert (err <= 2 ** -7 * exp.abs() + 1e-6 + magnitude * 2 ** -11).all(), f"seed {seed}, autotuned"
+
+
+def next_operands(n: int, device: str = "cpu", seed: int = 0):
+    """A BatchNorm's folded scale and shift and the next layer's input scale."""
+    g = torch.Generator(device).manual_seed(seed + 1)
+    return (torch.rand(n, generator=g, device=device) + 0.5, torch.randn(n, generator=g, device=device) * 0.1,
+            torch.tensor([0.02], device=device))
+
+
+@pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
+def test_next_input_is_the_output_through_the_affine_and_quantization(quant):
+    a, w, alpha, beta, residual = operands(37, 24, 40, quant)
+    next_alpha, next_beta, next_scale = next_operands(24)
+    for res in (None, residual):
+        out, nxt = gemm8_next(a, w, alpha, beta, res, "none", torch.bfloat16, next_alpha, next_beta, quant, next_scale)
+        assert torch.equal(out, gemm8(a, w, alpha, beta, res, "none", "", None, torch.bfloat16))
+        # the stored output through the folded BatchNorm in float64, then QuantizeLinear in float32
+        y = (out.double() * next_alpha.double() + next_beta.double()).float() / next_scale
+        low, high = QRANGE[QDTYPES[quant]]
+        expected = (y.round() if quant == "int8" else y).clamp(low, high).to(QDTYPES[quant])
+        assert nxt.dtype == QDTYPES[quant]
+        assert_on_grid(nxt, expected, quant, next_scale, 1e-3, f"residual {res is not None}")
+    torch.library.opcheck(gemm8_next, (a, w, alpha, beta, residual, "none", torch.bfloat16, next_alpha, next_beta,
+                                       quant, next_scale),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    bad = [((a, w, alpha, beta, None, "none", torch.int8, next_alpha, next_beta, quant, next_scale),
+            "writes a float output"),
+           ((a, w, alpha, beta, None, "none", torch.bfloat16, next_alpha[:3], next_beta, quant, next_scale),
+            "float32 vectors of 24 channels"),
+           ((a, w, alpha, beta, None, "none", torch.bfloat16, next_alpha, next_beta, "int4", next_scale),
+            "next_quant must be one of")]
+    assert_one_line_errors(gemm8_next, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_kernel_writes_the_next_input(quant, shape):
+    """Both outputs of the Triton kernel (TMA where the channels allow, else pointers) against the op's torch
+    arithmetic on the same inputs, each into outputs poisoned two ways."""
+    if quant == "float8_e4m3fn" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    seed = torch.seed() % 2 ** 31
+    a, w, alpha, beta, residual = operands(*shape, quant, "cuda", seed)
+    next_alpha, next_beta, next_scale = next_operands(shape[1], "cuda", seed)
+    magnitude = (a.double().abs() @ w.double().abs().t()) * alpha.double()
+    for act in ACTS:
+        for res in (None, residual):
+            out_ref, next_ref = gemm8_next(a.cpu(), w.cpu(), alpha.cpu(), beta.cpu(),
+                                           None if res is None else res.cpu(), act, torch.bfloat16, next_alpha.cpu(),
+                                           next_beta.cpu(), quant, next_scale.cpu())
+            outs = []
+            for poison in (-1, 1):
+                out = torch.full(out_ref.shape, poison * 77.0, device="cuda").bfloat16()
+                nxt = torch.full(out_ref.shape, poison * 77.0, device="cuda").to(QDTYPES[quant])
+                launch(a, w, alpha, beta, res, act, "", None, out, one_config=True,
+                       next_input=(next_alpha, next_beta, quant, next_scale, nxt))
+                outs.append((out, nxt))
+            where = f"seed {seed}, act {act}, residual {res is not None}"
+            assert all(torch.equal(x.float(), y.float()) for x, y in zip(*outs)), where
+            out, nxt = outs[0]
+            err = (out.double().cpu() - out_ref.double()).abs()
+            bound = 2 ** -7 * out_ref.double().abs() + 1e-6 + magnitude.cpu() * (
+                2 ** -11 if quant == "float8_e4m3fn" else 2 ** -22)
+            assert (err <= bound).all(), where
+            # the next input from the kernel's own stored output: the same grid values but where the affine's
+            # float32 rounding (a fused multiply-add here) puts one on the other side of a boundary
+            y = out.float().cpu() * next_alpha.cpu() + next_beta.cpu()
+            assert_on_grid(nxt.cpu(), quantize_values(y, next_scale.cpu().reshape(()), QDTYPES[quant]), quant,
+                           next_scale.cpu(), 1e-3, where)
+    out, nxt = gemm8_next(a, w, alpha, beta, residual, "none", torch.bfloat16, next_alpha, next_beta, quant,
+                          next_scale)  # autotuned, through the registered op
+    assert out.is_cuda and nxt.dtype == QDTYPES[quant]
 
 
 LT_SHAPES = [(1, 16, 16), (37, 48, 32), (1031, 256, 512), (3136, 2048, 128)]  # (M, N, K): one row, ragged M, FFN

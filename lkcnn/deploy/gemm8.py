@@ -16,7 +16,10 @@ epilogue takes in (`to_8bit_gemms`):
     residual addition after its last, and the quantization of the next layer's input: the FFN's hidden activation
     goes from one GEMM to the next in 8 bits, the large kernel's input is written on its 8-bit grid;
   - before a conv-BN `nn.Sequential` with a fake-quant conv (a stage transition's stride-2 depthwise conv), that
-    conv's input grid.
+    conv's input grid;
+  - between two blocks of a stage, on the Triton kernel (INT8; FP8 where cuBLASLt does not run the GEMM), the next
+    block's first BatchNorm and its first GEMM's quantization as a second, 8-bit output of the block's last GEMM
+    (`torch.ops.lkcnn.gemm8_next`): the blocks pass (residual stream, 8-bit input) pairs.
 A RepLKBlock's large depthwise convolution (odd square kernels up to 33 taps) runs in 8 bits too, as one
 `torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it, and its epilogue applies
 the scale, bias and the block's activation and writes the next GEMM's 8-bit input (`large_kernels=False` keeps it on
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 from lkcnn.deploy.quantize import QuantConv2d, QuantizeError, QuantLinear
 from lkcnn.layers import ConvFFN, RepLKBlock, fuse_bn
 from lkcnn.ops.dwconv8 import MAX_KERNEL, dwconv8, pack_weight
-from lkcnn.ops.gemm8 import LT_BIAS_DTYPES, gemm8, gemm8_lt
+from lkcnn.ops.gemm8 import LT_BIAS_DTYPES, gemm8, gemm8_lt, gemm8_next
 from lkcnn.ops.qdq import DTYPE_NAMES, dequantize_values, quantize_values
 
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
@@ -65,6 +68,10 @@ class Gemm8(nn.Module):
         out_channels, in_channels = self.weight.shape
         self.lt = self.precision == "fp8" and not (in_channels % 16 or out_channels % 16)  # cuBLASLt's FP8 GEMM
         self.register_buffer("bias", None)  # beta in cuBLASLt's bias dtype (`finalize`)
+        # `write_next_input`: the next block's first BatchNorm (scale, shift) and its first GEMM's input scale
+        self.register_buffer("next_alpha", None)
+        self.register_buffer("next_beta", None)
+        self.register_buffer("next_scale", None)
 
     @torch.no_grad()
     def fold_batchnorm(self, bn: nn.BatchNorm2d) -> None:
@@ -77,6 +84,14 @@ class Gemm8(nn.Module):
         if self.lt:
             self.bias = self.beta.to(LT_BIAS_DTYPES[self.activation_dtype])
 
+    @torch.no_grad()
+    def write_next_input(self, bn: nn.BatchNorm2d, consumer: Gemm8) -> None:
+        """Also write `consumer`'s 8-bit input from this float output: `bn` (eval mode, the BatchNorm before it)
+        and its quantization in this GEMM's epilogue (Triton only: cuBLASLt writes one output)."""
+        scale = bn.weight.float() / torch.sqrt(bn.running_var.float() + bn.eps)
+        self.next_alpha, self.next_beta = scale, bn.bias.float() - bn.running_mean.float() * scale
+        self.next_scale = consumer.input_scale.clone()
+
     def quantize_output_for(self, consumer: QuantConv2d | Gemm8 | DWConv8) -> None:
         """Write `consumer`'s input: 8-bit values for a Gemm8 or DWConv8, float values on its 8-bit grid for a
         fake-quant layer (which then skips its own QDQ)."""
@@ -87,14 +102,19 @@ class Gemm8(nn.Module):
         else:
             consumer.input_on_grid = True
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """The layer's output; with `write_next_input`, (output, the next block's 8-bit input). An 8-bit `x` is the
+        input on this layer's grid (written by the GEMM before it)."""
         rows, shape = self._rows(x)
-        if self.input_8bit:
-            if x.dtype != self.qdtype:
+        if x.dtype != self.qdtype:
+            if self.input_8bit:
                 raise TypeError(f"this 8-bit GEMM reads the {self.qdtype} output of the GEMM before it, got {x.dtype}")
-        else:
             rows = quantize_values(rows, self.input_scale, self.qdtype)
         res_rows = None if residual is None else self._rows(residual)[0]
+        if self.next_scale is not None:
+            out, nxt = gemm8_next(rows, self.weight, self.alpha, self.beta, res_rows, self.act, self.activation_dtype,
+                                  self.next_alpha, self.next_beta, self.grid, self.next_scale)
+            return self._shaped(out, shape), self._shaped(nxt, shape)
         if self.lt and (residual is None or self.act == "none"):
             if res_rows is not None:
                 res_rows = res_rows.to(self.activation_dtype)
@@ -106,6 +126,10 @@ class Gemm8(nn.Module):
             quant = self.grid if self.out_scale is not None else ""
             out = gemm8(rows, self.weight, self.alpha, self.beta, res_rows, self.act, quant, self.out_scale,
                         self.qdtype if self.out_8bit else self.activation_dtype)
+        return self._shaped(out, shape)
+
+    def _shaped(self, out: Tensor, shape: torch.Size) -> Tensor:
+        """(rows, out channels) back to the input's shape: for a conv the NCHW view of channels_last rows."""
         if self.conv:
             b, _, h, w = shape
             return out.view(b, h, w, -1).permute(0, 3, 1, 2)
@@ -118,6 +142,7 @@ class Gemm8(nn.Module):
 
     def extra_repr(self) -> str:
         out = "" if self.out_scale is None else f", out={'8-bit' if self.out_8bit else 'on the next grid'}"
+        out += "" if self.next_scale is None else ", writes the next block's input"
         return (f"{self.precision}, weight={tuple(self.weight.shape)}, conv={self.conv}, act={self.act}, "
                 f"input_8bit={self.input_8bit}{out}, kernel={'cuBLASLt' if self.lt else 'Triton'}")
 
@@ -174,7 +199,8 @@ class DWConv8(nn.Module):
 
 class ConvFFN8(nn.Module):
     """ConvFFN with fused 8-bit GEMMs: pw1's epilogue applies BatchNorm and GELU and writes pw2's 8-bit input;
-    pw2's applies BatchNorm and adds the residual."""
+    pw2's applies BatchNorm and adds the residual. Takes x, or (x, pw1's 8-bit input) from the block before, and
+    returns its output, or (output, the next block's 8-bit input) when pw2 writes that too (`_pair_blocks`)."""
 
     def __init__(self, block: ConvFFN) -> None:
         super().__init__()
@@ -182,15 +208,20 @@ class ConvFFN8(nn.Module):
         self.pw1.conv.act = ACTIVATIONS[type(block.nonlinear)]
         self.pw1.conv.quantize_output_for(self.pw2.conv)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.pw2.conv(self.pw1.conv(self.preffn_bn(x)), residual=x)
+    @property
+    def pre_bn(self) -> nn.Module:
+        return self.preffn_bn
+
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        x, x8 = x if isinstance(x, tuple) else (x, None)
+        return self.pw2.conv(self.pw1.conv(self.preffn_bn(x) if x8 is None else x8), residual=x)
 
 
 class RepLKBlock8(nn.Module):
     """RepLKBlock with fused 8-bit GEMMs: pw1's epilogue applies BatchNorm and ReLU and writes the large kernel's
     input on its 8-bit grid (with `large_kernel_8bit`, where DWConv8 takes the kernel: its 8-bit input, and the
     DWConv8's epilogue applies the block's activation and writes pw2's 8-bit input); pw2's applies BatchNorm and adds
-    the residual."""
+    the residual. Takes and returns pairs as ConvFFN8 does."""
 
     def __init__(self, block: RepLKBlock, large_kernel_8bit: bool = True) -> None:
         super().__init__()
@@ -205,8 +236,14 @@ class RepLKBlock8(nn.Module):
         elif isinstance(large, QuantConv2d):
             self.pw1.conv.quantize_output_for(large)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.pw2.conv(self.lk_nonlinear(self.large_kernel(self.pw1(self.prelkb_bn(x)))), residual=x)
+    @property
+    def pre_bn(self) -> nn.Module:
+        return self.prelkb_bn
+
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        x, x8 = x if isinstance(x, tuple) else (x, None)
+        h = self.pw1(self.prelkb_bn(x) if x8 is None else x8)
+        return self.pw2.conv(self.lk_nonlinear(self.large_kernel(h)), residual=x)
 
 
 def _is_gemm(layer: nn.Module) -> bool:
@@ -255,6 +292,26 @@ def _fuse_blocks(model: nn.Module, large_kernels: bool) -> list[str]:
     return swapped
 
 
+def _pair_blocks(model: nn.Module) -> list[str]:
+    """In every nn.Sequential of 8-bit blocks (a RepLKNet stage), let each block's last GEMM also write the next
+    block's first GEMM input (that block's BatchNorm and quantization, a pass over the residual stream otherwise)
+    where it runs on the Triton kernel; the names of those GEMMs."""
+    paired = []
+    for name, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        children = list(seq.named_children())
+        for (child, block), (_, after) in zip(children, children[1:]):
+            if not (isinstance(block, RepLKBlock8 | ConvFFN8) and isinstance(after, RepLKBlock8 | ConvFFN8)):
+                continue
+            gemm, first = block.pw2.conv, after.pw1.conv
+            if gemm.lt or not isinstance(after.pre_bn, nn.BatchNorm2d) or first.qdtype != gemm.qdtype:
+                continue
+            gemm.write_next_input(after.pre_bn, first)
+            paired.append(f"{name}.{child}.pw2.conv" if name else f"{child}.pw2.conv")
+    return paired
+
+
 def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kernels: bool = True) -> nn.Module:
     """A copy of the fake-quant `model` (`lkcnn.deploy.quantize.quantize`, or `lkcnn.load_deployed` of an 8-bit
     export) whose GEMM layers run in 8 bits with fused epilogues on the model's device; `model` is unchanged.
@@ -264,7 +321,8 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kern
     the float32 scales. RepLKBlocks' large kernels run in 8 bits too (DWConv8), faster than the 16-bit kernels at
     every RepLKNet-31B stage at batch 128 (docs/export.md, "8-bit execution"); `large_kernels=False` keeps them on the
     16-bit kernels, on inputs on their 8-bit grid. The copy's `lkcnn_gemm8` records the precision, the converted
-    layers, the fused blocks and the large kernels that run in 8 bits.
+    layers, the fused blocks, the large kernels that run in 8 bits and the GEMMs that also write the next block's
+    8-bit input.
     """
     quantization = getattr(model, "lkcnn_quantization", None)
     if quantization is None or not any(isinstance(m, QuantLayer) for m in model.modules()):
@@ -290,6 +348,7 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kern
             layer.fusable = True
     _fold_conv_bn(converted)
     blocks = _fuse_blocks(converted, large_kernels)
+    paired = _pair_blocks(converted)
     for gemm in converted.modules():
         if isinstance(gemm, Gemm8):
             gemm.finalize()
@@ -297,7 +356,7 @@ def to_8bit_gemms(model: nn.Module, dtype: torch.dtype | None = None, large_kern
         _cast_float_state(converted, dtype)
     large = [name for name, m in converted.named_modules() if isinstance(m, DWConv8)]
     converted.lkcnn_gemm8 = {"precision": quantization["precision"], "layers": layers, "fused_blocks": blocks,
-                             "large_kernels": large}
+                             "large_kernels": large, "next_inputs": paired}
     return converted
 
 

@@ -107,9 +107,11 @@ def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None
 
 
 def launch(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
-           out_scale: Tensor | None, out: Tensor, one_config: bool = False) -> None:
+           out_scale: Tensor | None, out: Tensor, one_config: bool = False,
+           next_input: tuple[Tensor, Tensor, str, Tensor, Tensor] | None = None) -> None:
     """Run the Triton kernel into `out` (the GPU tests poison `out` first, then check every value), autotuned or
-    with one tile configuration."""
+    with one tile configuration; with `next_input` (gemm8_next's next_alpha, next_beta, next_quant, next_scale and
+    the 8-bit output) into that output too."""
     from lkcnn.ops import gemm8_triton  # Triton is imported only where a GPU runs the kernel
 
     a, w = a.contiguous(), w.contiguous()
@@ -121,8 +123,60 @@ def launch(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor |
     gemm8_triton.run(a, w, alpha.contiguous(), beta.contiguous(), residual, out,
                      alpha if out_scale is None else out_scale.reshape(1), m, n, k, ACTS.index(act), grid_id,
                      is_int=a.dtype == torch.int8, dequant=bool(quant) and out.dtype not in DTYPE_NAMES.values(),
-                     one_config=one_config)
+                     one_config=one_config, next_input=None if next_input is None else (
+                         next_input[0].contiguous(), next_input[1].contiguous(), next_input[4],
+                         next_input[3].reshape(1), GRIDS.index(next_input[2])))
 
+
+def _check_next(n: int, out_dtype: torch.dtype, next_alpha: Tensor, next_beta: Tensor, next_quant: str,
+                next_scale: Tensor) -> None:
+    if out_dtype in DTYPE_NAMES.values():
+        raise ValueError(f"lkcnn.gemm8_next writes a float output and the next layer's 8-bit input, got {out_dtype}")
+    if next_alpha.shape != (n,) or next_beta.shape != (n,) or next_alpha.dtype != torch.float32 \
+            or next_beta.dtype != torch.float32:
+        raise ValueError(f"lkcnn.gemm8_next: next_alpha and next_beta must be float32 vectors of {n} channels")
+    if next_quant not in DTYPE_NAMES or next_scale.numel() != 1:
+        raise ValueError(f"lkcnn.gemm8_next: next_quant must be one of {tuple(DTYPE_NAMES)} and next_scale one value")
+
+
+@torch.library.custom_op("lkcnn::gemm8_next", mutates_args=())
+def gemm8_next(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str,
+               out_dtype: torch.dtype, next_alpha: Tensor, next_beta: Tensor, next_quant: str,
+               next_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """gemm8 with a float output, and from that output as stored the next layer's 8-bit input in the same pass:
+    next[m, n] = QuantizeLinear(out[m, n] * next_alpha[n] + next_beta[n], next_scale) on `next_quant`'s grid (the
+    BatchNorm before a residual block's first GEMM, folded: in a RepLKNet stage the last GEMM of one block writes
+    the next block's input, which was a pass of its own over the residual stream)."""
+    _check_next(w.shape[0], out_dtype, next_alpha, next_beta, next_quant, next_scale)
+    _check(a, w, alpha, beta, residual, act, "", None, out_dtype)
+    return reference_next(a, w, alpha, beta, residual, act, out_dtype, next_alpha, next_beta, next_quant, next_scale)
+
+
+def reference_next(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str,
+                   out_dtype: torch.dtype, next_alpha: Tensor, next_beta: Tensor, next_quant: str,
+                   next_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """gemm8_next's arithmetic in torch ops: `reference`, then the affine and QuantizeLinear in float32."""
+    out = reference(a, w, alpha, beta, residual, act, "", None, out_dtype)
+    return out, quantize_values(out.float() * next_alpha + next_beta, next_scale.reshape(()), DTYPE_NAMES[next_quant])
+
+
+@gemm8_next.register_fake
+def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, out_dtype: torch.dtype,
+      next_alpha: Tensor, next_beta: Tensor, next_quant: str, next_scale: Tensor) -> tuple[Tensor, Tensor]:
+    shape = (a.shape[0], w.shape[0])
+    return a.new_empty(shape, dtype=out_dtype), a.new_empty(shape, dtype=DTYPE_NAMES[next_quant])
+
+
+@gemm8_next.register_kernel("cuda")
+def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, out_dtype: torch.dtype,
+      next_alpha: Tensor, next_beta: Tensor, next_quant: str, next_scale: Tensor) -> tuple[Tensor, Tensor]:
+    _check_next(w.shape[0], out_dtype, next_alpha, next_beta, next_quant, next_scale)
+    _check(a, w, alpha, beta, residual, act, "", None, out_dtype)
+    out = a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+    nxt = a.new_empty(out.shape, dtype=DTYPE_NAMES[next_quant])
+    launch(a, w, alpha, beta, residual, act, "", None, out, next_input=(next_alpha, next_beta, next_quant, next_scale,
+                                                                        nxt))
+    return out, nxt
 
 
 def _check_lt(a: Tensor, w: Tensor, alpha: Tensor, bias: Tensor | None, residual: Tensor | None, act: str,

@@ -20,7 +20,7 @@ ROUND = tl.constexpr(12582912.0)
 # the whole K run so); adding each 32-deep product into the float32 accumulator keeps float32 sums, as cuBLASLt does
 # without its fast-accumulation mode
 FP8_PRECISE_K = tl.constexpr(32)
-KEY = ["M", "N", "K", "ACT", "GRID", "HAS_RES", "DEQUANT"]
+KEY = ["M", "N", "K", "ACT", "GRID", "HAS_RES", "DEQUANT", "NEXT_GRID"]
 
 
 def _config(m: int, n: int, k: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
@@ -110,13 +110,23 @@ def _quantize(y, scale_ptr, GRID: tl.constexpr, DEQUANT: tl.constexpr):
     return y
 
 
+@triton.jit
+def _next_input(stored, a2_ptr, b2_ptr, scale2_ptr, offs_n, N, NEXT_GRID: tl.constexpr):
+    """The next layer's 8-bit input from this output as stored: its per-channel affine (a folded BatchNorm), then
+    QuantizeLinear onto the next layer's grid."""
+    n_in = offs_n < N
+    a2 = tl.load(a2_ptr + offs_n, mask=n_in, other=0.0)
+    b2 = tl.load(b2_ptr + offs_n, mask=n_in, other=0.0)
+    return _quantize(stored.to(tl.float32) * a2[None, :] + b2[None, :], scale2_ptr, NEXT_GRID, False)
+
+
 @triton.autotune(configs=CONFIGS, key=KEY)
 @triton.jit
-def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr, M, N, K,
-                  stride_am, stride_wn, stride_rm, stride_om,
+def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr, a2_ptr, b2_ptr, next_ptr,
+                  scale2_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_xm,
                   ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr, DEQUANT: tl.constexpr,
-                  IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
+                  NEXT_GRID: tl.constexpr, IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     off_m, off_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -136,8 +146,11 @@ def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr
     rows64 = offs_m[:, None].to(tl.int64)
     if HAS_RES:
         y += tl.load(res_ptr + rows64 * stride_rm + offs_n[None, :], mask=inside, other=0.0).to(tl.float32)
-    y = _quantize(y, scale_ptr, GRID, DEQUANT)
-    tl.store(out_ptr + rows64 * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
+    y = _quantize(y, scale_ptr, GRID, DEQUANT).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64 * stride_om + offs_n[None, :], y, mask=inside)
+    if NEXT_GRID != 0:
+        x = _next_input(y, a2_ptr, b2_ptr, scale2_ptr, offs_n, N, NEXT_GRID)
+        tl.store(next_ptr + rows64 * stride_xm + offs_n[None, :], x.to(next_ptr.dtype.element_ty), mask=inside)
 
 
 def _tma_blocks(nargs) -> None:
@@ -147,6 +160,7 @@ def _tma_blocks(nargs) -> None:
     nargs["w_desc"].block_shape = [bn, bk]
     nargs["res_desc"].block_shape = [bm, bn]
     nargs["out_desc"].block_shape = [bm, bn]
+    nargs["next_desc"].block_shape = [bm, bn]
 
 
 def _tma_config(m: int, n: int, warps: int, stages: int, per_sm: int, maxnreg: int | None = None) -> triton.Config:
@@ -162,10 +176,11 @@ TMA_CONFIGS = [_tma_config(128, 128, 8, 2, 1), _tma_config(128, 128, 8, 2, 2, ma
 
 @triton.autotune(configs=TMA_CONFIGS, key=KEY)
 @triton.jit
-def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, scale_ptr, M, N, K,
-                      ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr, DEQUANT: tl.constexpr,
-                      IS_INT: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr):
+def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, scale_ptr, a2_ptr, b2_ptr, next_desc,
+                      scale2_ptr, M, N, K, ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr,
+                      DEQUANT: tl.constexpr, NEXT_GRID: tl.constexpr, IS_INT: tl.constexpr, NUM_SMS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      PER_SM: tl.constexpr):
     # persistent: NUM_SMS * PER_SM programs walk the tiles; the flattened loop lets the pipeliner load the next
     # tile's operands while this one's epilogue runs (most of these GEMMs are one 128-deep K step per tile)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -175,11 +190,15 @@ def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, s
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if IS_INT else tl.float32)
         for k in range(0, k_steps):  # TMA fills the rows and columns past the tensor with zeros
             acc = _dot(a_desc.load([off_m, k * BLOCK_K]), w_desc.load([off_n, k * BLOCK_K]).T, acc, IS_INT)
-        y = _scale_act(acc, alpha_ptr, beta_ptr, off_n + tl.arange(0, BLOCK_N), N, ACT)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        y = _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT)
         if HAS_RES:
             y += res_desc.load([off_m, off_n]).to(tl.float32)
-        y = _quantize(y, scale_ptr, GRID, DEQUANT)
-        out_desc.store([off_m, off_n], y.to(out_desc.dtype))  # TMA writes only the part inside the tensor
+        y = _quantize(y, scale_ptr, GRID, DEQUANT).to(out_desc.dtype)
+        out_desc.store([off_m, off_n], y)  # TMA writes only the part inside the tensor
+        if NEXT_GRID != 0:
+            x = _next_input(y, a2_ptr, b2_ptr, scale2_ptr, offs_n, N, NEXT_GRID)
+            next_desc.store([off_m, off_n], x.to(next_desc.dtype))
 
 
 def tma_ok(*tensors) -> bool:
@@ -189,12 +208,15 @@ def tma_ok(*tensors) -> bool:
 
 
 def run(a, w, alpha, beta, residual, out, scale, m: int, n: int, k: int, act: int, grid_id: int, *, is_int: bool,
-        dequant: bool, one_config: bool = False) -> None:
+        dequant: bool, one_config: bool = False, next_input=None) -> None:
     """Launch over every output tile (arguments as checked by lkcnn.ops.gemm8): the TMA kernel where every operand
     meets TMA's alignment (channel counts in multiples of 16), else the pointer kernel; autotuned, or with `config`
-    that tile configuration alone (the GPU tests: one compile per epilogue instead of one per config)."""
-    consts = dict(ACT=act, GRID=grid_id, HAS_RES=residual is not None, DEQUANT=dequant, IS_INT=is_int)
-    tensors = (a, w, out) if residual is None else (a, w, out, residual)
+    that tile configuration alone (the GPU tests: one compile per epilogue instead of one per config).
+    `next_input`: (affine scale, affine shift, 8-bit output, its scale, its grid id) of the next layer's input."""
+    a2, b2, nxt, scale2, next_grid = next_input or (alpha, beta, out, scale, 0)
+    consts = dict(ACT=act, GRID=grid_id, HAS_RES=residual is not None, DEQUANT=dequant, NEXT_GRID=next_grid,
+                  IS_INT=is_int)
+    tensors = (a, w, out, nxt) if residual is None else (a, w, out, nxt, residual)
     use_tma = tma_ok(*tensors)
     kernel = _gemm8_tma_kernel if use_tma else _gemm8_kernel
     config, meta = None, {}
@@ -210,12 +232,14 @@ def run(a, w, alpha, beta, residual, out, scale, m: int, n: int, k: int, act: in
         consts["NUM_SMS"] = torch.cuda.get_device_properties(a.device).multi_processor_count
         from triton.tools.tensor_descriptor import TensorDescriptor
         box = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]] if config else [1, 1]  # the pre-hook sets them
-        descs = [TensorDescriptor.from_tensor(t, box) for t in (a, w, out if residual is None else residual, out)]
+        descs = [TensorDescriptor.from_tensor(t, box)
+                 for t in (a, w, out if residual is None else residual, out, nxt)]
         if config:
             descs[0].block_shape = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"]]
             descs[1].block_shape = [config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]]
-        kernel[grid](descs[0], descs[1], alpha, beta, descs[2], descs[3], scale, m, n, k, **consts, **meta)
-    else:
-        kernel[grid](a, w, alpha, beta, out if residual is None else residual, out, scale, m, n, k,
-                     a.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        kernel[grid](descs[0], descs[1], alpha, beta, descs[2], descs[3], scale, a2, b2, descs[4], scale2, m, n, k,
                      **consts, **meta)
+    else:
+        kernel[grid](a, w, alpha, beta, out if residual is None else residual, out, scale, a2, b2, nxt, scale2, m, n,
+                     k, a.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+                     nxt.stride(0), **consts, **meta)
