@@ -1,5 +1,5 @@
 """lkcnn.layers: LargeKernelConv, BN folding helpers, ReparamLargeKernelConv and DecomposedLargeKernelConv structure
-and errors, RepLKNet blocks."""
+and errors, RepLKNet blocks, the image conv."""
 import pytest
 import torch
 import torch.nn as nn
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import randomize_bn, rel_err
 
 from lkcnn.layers import (
-    ConvFFN, DecomposedLargeKernelConv, LargeKernelConv, RepLKBlock, ReparamLargeKernelConv,
+    ConvFFN, DecomposedLargeKernelConv, ImageConv2d, LargeKernelConv, RepLKBlock, ReparamLargeKernelConv,
     UNIREPLKNET_DILATED_BRANCHES, conv_bn, dilate_kernel, fuse_bn, pad_to,
 )
 
@@ -148,3 +148,30 @@ def test_decomposed_is_the_sum_of_its_branches():
 def test_decomposed_rejects_bad_configs(args, match):
     with pytest.raises(ValueError, match=match):
         DecomposedLargeKernelConv(4, *args)
+
+
+def test_image_conv_pads_channels_without_changing_the_sums():
+    conv = ImageConv2d(3, 8, 3, stride=2, padding=1).double()
+    plain = nn.Conv2d(3, 8, 3, stride=2, padding=1).double()
+    plain.load_state_dict(conv.state_dict())  # strict: nn.Conv2d's keys and shapes
+    x = torch.randn(2, 3, 13, 11, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    assert not conv.pads(x)  # on the CPU it is nn.Conv2d
+    padded, ref = conv.forward_padded(x), plain(x)
+    assert padded.shape == ref.shape and rel_err(padded, ref) < 1e-12
+    g = torch.randn_like(ref)
+    (grad,) = torch.autograd.grad(padded, conv.weight, g)
+    assert grad.shape == conv.weight.shape and rel_err(grad, torch.autograd.grad(ref, plain.weight, g)[0]) < 1e-12
+    assert type(conv_bn(3, 8, 3, stride=2, act=True).conv) is ImageConv2d
+    assert type(conv_bn(8, 8, 3, groups=8).conv) is nn.Conv2d and type(conv_bn(16, 8, 1).conv) is nn.Conv2d
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_image_conv_on_the_gpu_against_float64(dtype):
+    conv = ImageConv2d(3, 32, 3, stride=2, padding=1, bias=False).cuda().to(dtype)
+    x = torch.randn(4, 3, 64, 48, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    assert conv.pads(x) and not conv.pads(x.contiguous())
+    ref = F.conv2d(x.double(), conv.weight.double(), stride=2, padding=1)
+    y = conv(x)
+    assert y.dtype == dtype and rel_err(y.double(), ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)

@@ -4,6 +4,7 @@ from .branch_convs import BranchConvs
 from .conv_bn import conv_bn, lk_conv_bn
 from .decomposed_conv import DecomposedLargeKernelConv
 from .fuse import dilate_kernel, fuse_bn, pad_to
+from .image_conv import ImageConv2d
 from .large_kernel_conv import LargeKernelConv, to_kernel_size
 from .reparam_conv import UNIREPLKNET_DILATED_BRANCHES, ReparamLargeKernelConv, resolve_dilated_branches
 
@@ -12,7 +13,7 @@ REPARAM_LAYERS = (ReparamLargeKernelConv, DecomposedLargeKernelConv)
 `training_form()`."""
 
 __all__ = [
-    "REPARAM_LAYERS", "BranchConvs", "ConvFFN", "DecomposedLargeKernelConv", "LargeKernelConv", "RepLKBlock",
+    "REPARAM_LAYERS", "BranchConvs", "ConvFFN", "DecomposedLargeKernelConv", "ImageConv2d", "LargeKernelConv", "RepLKBlock",
     "ReparamLargeKernelConv", "UNIREPLKNET_DILATED_BRANCHES", "conv_bn", "dilate_kernel", "fuse_bn", "lk_conv_bn",
     "pad_to", "resolve_dilated_branches", "to_kernel_size",
 ]

@@ -20,6 +20,7 @@ from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint_seq
 
 from lkcnn.layers.fuse import fuse_bn
+from lkcnn.layers.image_conv import ImageConv2d
 from lkcnn.layers.unireplknet_blocks import GRN, DilatedReparamBlock, NCHWtoNHWC, NHWCtoNCHW, SEBlock
 
 from ._checkpoint import check_keys, unwrap_state_dict
@@ -175,7 +176,7 @@ class UniRepLKNet(LkcnnModel, nn.Module):
         self.grad_checkpointing = False
 
         self.downsample_layers = nn.ModuleList([nn.Sequential(
-            nn.Conv2d(in_chans, dims[0] // 2, 3, stride=2, padding=1),
+            ImageConv2d(in_chans, dims[0] // 2, 3, stride=2, padding=1),
             LayerNorm2d(dims[0] // 2, eps=1e-6),
             nn.GELU(),
             nn.Conv2d(dims[0] // 2, dims[0], 3, stride=2, padding=1),
