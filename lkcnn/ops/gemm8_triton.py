@@ -177,9 +177,10 @@ def _tma_config(m: int, n: int, warps: int, stages: int, per_sm: int, maxnreg: i
 
 
 # PER_SM: persistent programs per SM, as many as its registers and shared memory hold (sm_90: 150-190 registers a
-# thread at 8 warps for 128 x 128 tiles, 120-200 at 4 warps for 64-row ones; capped at 128 two fit, with spills)
+# thread at 8 warps for 128 x 128 tiles, 120-200 at 4 warps for 64-row ones; capped at 128 two fit, with spills).
+# 64 x 64 tiles for the few rows of small batches (batch 1: 49-3136 rows), where larger tiles leave most SMs idle.
 TMA_CONFIGS = [_tma_config(128, 128, 8, 2, 1), _tma_config(128, 128, 8, 2, 2, maxnreg=128),
-               _tma_config(128, 64, 4, 3, 2), _tma_config(64, 128, 4, 3, 2)]
+               _tma_config(128, 64, 4, 3, 2), _tma_config(64, 128, 4, 3, 2), _tma_config(64, 64, 4, 3, 4)]
 
 
 @triton.autotune(configs=TMA_CONFIGS, key=KEY)
