@@ -38,6 +38,7 @@ from lkcnn.deploy.quantized_export import _write_onnx, deployed_from_checkpoint,
 from lkcnn.deploy.reparam import reparameterize_model
 from lkcnn.evaluate import calibration_batches, evaluate, make_datamodule, on_device
 from lkcnn.evaluate import main as evaluate_main
+from lkcnn.layers import ImageConv2d
 from lkcnn.ops.qdq import fake_quantize, quantize_linear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,7 @@ def test_the_stem_and_classifier_stay_float_by_default_and_keep_float_picks_othe
     assert default_float_layers(model) == stem_and_head
     quantized = quantize(model, batches, "fp8", "minmax")
     assert quantized.lkcnn_quantization["float_layers"] == stem_and_head
-    assert type(quantized.stem[0].conv) is torch.nn.Conv2d and type(quantized.head) is torch.nn.Linear
+    assert type(quantized.stem[0].conv) is ImageConv2d and type(quantized.head) is torch.nn.Linear  # as built
     assert quantized.lkcnn_quantization["layers"][0] == "stages.0.blocks.0.pw1.conv"
     some = quantize(model, batches, "int8", "minmax", keep_float=["stages.3", "head"]).lkcnn_quantization
     assert some["float_layers"] == [n for n in some["float_layers"] if n.startswith("stages.3.")] + ["head"]
