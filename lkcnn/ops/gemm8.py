@@ -11,8 +11,14 @@ in float on 8-bit values, such as the large depthwise convolution).
 
 Why our own kernel: cuBLASLt's 8-bit GEMMs behind `torch._scaled_mm` / `torch._int_mm` take a bias at most, so every
 BatchNorm, activation, residual addition and quantization after them was a pass of its own over the GEMM's output
-(written in bfloat16 or int32) - more GPU time than the GEMMs. On a GPU the op runs one Triton kernel (its GELU's erf
-to 6e-7, lkcnn/ops/gemm8_triton.py); elsewhere (and as the tests' oracle) the same arithmetic in torch ops.
+(written in bfloat16 or int32) - more GPU time than the GEMMs. On a GPU the op runs one Triton kernel (its GELU
+within 4e-7 |y| of the erf form, lkcnn/ops/gemm8_triton.py); elsewhere (and as the tests' oracle) the same
+arithmetic in torch ops.
+
+`torch.ops.lkcnn.gemm8_next` is gemm8 with a float output that also writes, from that output as stored, the next
+layer's 8-bit input through a per-channel affine (the BatchNorm before a residual block's first GEMM):
+
+    out = act(acc * alpha[n] + beta[n]) + residual      next = QuantizeLinear(out * next_alpha[n] + next_beta[n])
 
 `torch.ops.lkcnn.gemm8_lt` is the FP8 GEMM of cuBLASLt itself with the epilogue cuBLASLt offers, called from lkcnn's
 extension (csrc/gemm8/gemm8_lt.cu) because `torch._scaled_mm` passes no activation or residual:
