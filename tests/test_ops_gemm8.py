@@ -32,6 +32,24 @@ def operands(m: int, n: int, k: int, quant: str, device: str = "cpu", seed: int 
     return a, w, alpha, beta, residual
 
 
+def fresh_cuda_operands(quant: str, shape: tuple[int, int, int]):
+    """A fresh seed and its operands on the GPU (skips FP8 below compute capability 8.9); the magnitude
+    sum |a w| * alpha of every output, which bounds the sums' rounding."""
+    if quant == "float8_e4m3fn" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    seed = torch.seed() % 2 ** 31
+    a, w, alpha, beta, residual = operands(*shape, quant, "cuda", seed)
+    return seed, (a, w, alpha, beta, residual), (a.double().abs() @ w.double().abs().t()) * alpha.double()
+
+
+def float_bound(expected: torch.Tensor, magnitude: torch.Tensor, quant: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """How far a float output may be from the float64 sums: the output dtype's rounding; FP8 tensor cores add
+    products at reduced precision inside each 32-deep step (about 2^-13 of the largest partial sum), INT8 sums are
+    exact."""
+    return (2 ** -7 if out_dtype == torch.bfloat16 else 2e-6) * expected.abs() + 1e-6 + magnitude * (
+        2 ** -11 if quant == "float8_e4m3fn" else 2 ** -22)
+
+
 def composition(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype):
     """The epilogue written out in float64, then quantized as ONNX's QuantizeLinear does (in float32: bfloat16
     residuals over a scale such as 0.02 land on ties of the int8 grid, which float64 would round otherwise)."""
@@ -113,12 +131,8 @@ def test_bad_arguments_are_one_line():
 @pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_triton_kernel_against_the_reference(quant, shape):
-    if quant == "float8_e4m3fn" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
-    seed = torch.seed() % 2 ** 31
-    a, w, alpha, beta, residual = operands(*shape, quant, "cuda", seed)
+    seed, (a, w, alpha, beta, residual), magnitude = fresh_cuda_operands(quant, shape)
     scale = torch.tensor([0.03], device="cuda")
-    magnitude = (a.double().abs() @ w.double().abs().t()) * alpha.double()  # sum |a w| * alpha per output
     rate = 2e-2 if quant == "float8_e4m3fn" else 1e-3  # of values one grid step over (FP8 sums above)
     for act in ACTS:
         for res in (None, residual):
@@ -135,11 +149,7 @@ def test_triton_kernel_against_the_reference(quant, shape):
                 assert torch.equal(outs[0].float(), outs[1].float()), where
                 got, exp = outs[0].double(), expected.double()
                 if not q:
-                    # the output dtype's rounding; FP8 tensor cores add products at reduced precision inside each
-                    # 32-deep step (about 2^-13 of the largest partial sum), INT8 sums are exact
-                    err = (got - exp).abs()
-                    bound = (2 ** -7 if out_dtype == torch.bfloat16 else 2e-6) * exp.abs() + 1e-6 + magnitude * (
-                        2 ** -11 if quant == "float8_e4m3fn" else 2 ** -22)
+                    err, bound = (got - exp).abs(), float_bound(exp, magnitude, quant, out_dtype)
                     worst = (err - bound).argmax()
                     assert (err <= bound).all(), (f"{where}: {got.flatten()[worst].item()} vs "
                                                   f"{exp.flatten()[worst].item()}")
@@ -198,12 +208,8 @@ def test_next_input_is_the_output_through_the_affine_and_quantization(quant):
 def test_triton_kernel_writes_the_next_input(quant, shape):
     """Both outputs of the Triton kernel (TMA where the channels allow, else pointers) against the op's torch
     arithmetic on the same inputs, each into outputs poisoned two ways."""
-    if quant == "float8_e4m3fn" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
-    seed = torch.seed() % 2 ** 31
-    a, w, alpha, beta, residual = operands(*shape, quant, "cuda", seed)
+    seed, (a, w, alpha, beta, residual), magnitude = fresh_cuda_operands(quant, shape)
     next_alpha, next_beta, next_scale = next_operands(shape[1], "cuda", seed)
-    magnitude = (a.double().abs() @ w.double().abs().t()) * alpha.double()
     for act in ACTS:
         for res in (None, residual):
             out_ref, next_ref = gemm8_next(a.cpu(), w.cpu(), alpha.cpu(), beta.cpu(),
@@ -220,9 +226,7 @@ def test_triton_kernel_writes_the_next_input(quant, shape):
             assert all(torch.equal(x.float(), y.float()) for x, y in zip(*outs)), where
             out, nxt = outs[0]
             err = (out.double().cpu() - out_ref.double()).abs()
-            bound = 2 ** -7 * out_ref.double().abs() + 1e-6 + magnitude.cpu() * (
-                2 ** -11 if quant == "float8_e4m3fn" else 2 ** -22)
-            assert (err <= bound).all(), where
+            assert (err <= float_bound(out_ref.double(), magnitude.cpu(), quant, torch.bfloat16)).all(), where
             # the next input from the kernel's own stored output: the same grid values but where the affine's
             # float32 rounding (a fused multiply-add here) puts one on the other side of a boundary
             y = out.float().cpu() * next_alpha.cpu() + next_beta.cpu()
