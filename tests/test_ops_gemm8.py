@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import grid_step
-from lkcnn.ops.gemm8 import (ACTS, LT_ACTS, LT_BIAS_DTYPES, LT_OUT_DTYPES, gemm8, gemm8_lt, gemm8_next, launch,
-                             reference)
+from lkcnn.ops.gemm8 import (ACTS, LT_ACTS, LT_BIAS_DTYPES, LT_OUT_DTYPES, as_planes, gemm8, gemm8_lt, gemm8_next,
+                             launch, reference)
 from lkcnn.ops.qdq import QRANGE, quantize_values
 
 QDTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -167,6 +167,60 @@ def test_triton_kernel_against_the_reference(quant, shape):
         else:
             err, exp = (out.double() - expected.double()).abs(), expected.double()
             assert (err <= 2 ** -7 * exp.abs() + 1e-6 + magnitude * 2 ** -11).all(), f"seed {seed}, autotuned"
+
+
+@pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
+def test_planes_are_the_rows_of_each_image_transposed(quant):
+    a, w, alpha, beta, _ = operands(2 * 49, 24, 40, quant)
+    scale = torch.tensor(0.02)
+    for out_dtype in (QDTYPES[quant], torch.bfloat16):
+        rows = gemm8(a, w, alpha, beta, None, "relu", quant, scale, out_dtype)
+        planes = gemm8(a, w, alpha, beta, None, "relu", quant, scale, out_dtype, 49)
+        assert planes.shape == (2, 24, 49) and planes.is_contiguous()
+        assert torch.equal(planes.float(), rows.view(2, 49, 24).transpose(1, 2).float())
+    torch.library.opcheck(gemm8, (a, w, alpha, beta, None, "relu", quant, scale, torch.bfloat16, 49),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    assert_one_line_errors(gemm8, [((a, w, alpha, beta, None, "none", "", None, torch.float32, 45),
+                                    "divide the 98 rows")])
+
+
+# (M, N, K, planes): 7x7, 14x14 and 28x28 maps (stores of 1, 4 and 16 bytes); TMA and pointer operands (N = 200)
+PLANE_SHAPES = [(98, 64, 64, 49), (392, 256, 128, 196), (1568, 200, 136, 784)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("shape", PLANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_kernel_writes_planes(quant, shape):
+    """The kernel's channel planes hold exactly its rows' values, each image transposed, and match the reference;
+    into outputs poisoned two ways."""
+    *mnk, planes = shape
+    seed, (a, w, alpha, beta, _), magnitude = fresh_cuda_operands(quant, tuple(mnk))
+    scale = torch.tensor([0.03], device="cuda")
+    for q, out_dtype in ((quant, QDTYPES[quant]), ("", torch.bfloat16)):
+        rows = torch.zeros(mnk[:2], device="cuda").to(out_dtype)
+        launch(a, w, alpha, beta, None, "relu", q, scale if q else None, rows, one_config=True)
+        outs = []
+        for poison in (-1, 1):
+            out = torch.full((mnk[0] // planes, mnk[1], planes), poison * 77.0, device="cuda").to(out_dtype)
+            launch(a, w, alpha, beta, None, "relu", q, scale if q else None, out, one_config=True, planes=planes)
+            outs.append(out)
+        where = f"seed {seed}, {out_dtype}"
+        assert torch.equal(outs[0].float(), outs[1].float()), where
+        assert torch.equal(outs[0].float(), as_planes(rows, planes).float()), where
+        expected = as_planes(reference(a, w, alpha, beta, None, "relu", q, scale if q else None, out_dtype), planes)
+        if q:
+            fp8 = quant == "float8_e4m3fn"
+            slack = as_planes(magnitude, planes) * 2 ** -11 / scale.item() if fp8 else 0.0
+            assert_on_grid(outs[0], expected, quant, scale, 2e-2 if fp8 else 1e-3, where, slack)
+        else:
+            err = (outs[0].double() - expected.double()).abs()
+            bound = float_bound(expected.double(), as_planes(magnitude, planes), quant, out_dtype)
+            assert (err <= bound).all(), where
+    out = gemm8(a, w, alpha, beta, None, "relu", quant, scale, QDTYPES[quant], planes)  # autotuned, the op
+    assert torch.equal(out.float(), as_planes(gemm8(a, w, alpha, beta, None, "relu", quant, scale, QDTYPES[quant]),
+                                              planes).float())
 
 
 def next_operands(n: int, device: str = "cpu", seed: int = 0):

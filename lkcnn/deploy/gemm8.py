@@ -21,7 +21,8 @@ epilogue takes in (`to_8bit_gemms`):
     block's first BatchNorm and its first GEMM's quantization as a second, 8-bit output of the block's last GEMM
     (`torch.ops.lkcnn.gemm8_next`): the blocks pass (residual stream, 8-bit input) pairs.
 A RepLKBlock's large depthwise convolution (odd square kernels up to 33 taps) runs in 8 bits too, as one
-`torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it, and its epilogue applies
+`torch.ops.lkcnn.dwconv8` call (`DWConv8`): it reads the 8-bit output of the GEMM before it (on the Triton kernel,
+written as the channel planes the convolution reads, `planes`), and its epilogue applies
 the scale, bias and the block's activation and writes the next GEMM's 8-bit input (`large_kernels=False` keeps it on
 the 16-bit kernels, its input on its 8-bit grid). Every other layer (the stride-2 depthwise convolutions, the float
 stem and classifier) runs as in the fake-quant model, its QDQ in plain torch ops (`fusable`) so that inductor fuses
@@ -65,6 +66,7 @@ class Gemm8(nn.Module):
         self.act = "none"
         self.input_8bit = False  # True: the GEMM before this one writes its 8-bit input
         self.out_8bit = False  # True: write the next GEMM's 8-bit input; with out_scale alone, values on its grid
+        self.out_planes = False  # True (Triton, a conv): write the output as channel planes, NCHW-contiguous
         out_channels, in_channels = self.weight.shape
         self.lt = self.precision == "fp8" and not (in_channels % 16 or out_channels % 16)  # cuBLASLt's FP8 GEMM
         self.register_buffer("bias", None)  # beta in cuBLASLt's bias dtype (`finalize`)
@@ -97,6 +99,8 @@ class Gemm8(nn.Module):
         fake-quant layer (which then skips its own QDQ)."""
         self.out_scale = consumer.input_scale.clone()
         self.out_8bit = isinstance(consumer, Gemm8 | DWConv8)
+        # the 8-bit large kernel reads channel planes: the Triton kernel writes them (no layout copy between)
+        self.out_planes = isinstance(consumer, DWConv8) and self.conv and not self.lt
         if self.out_8bit:
             consumer.input_8bit = True
         else:
@@ -124,8 +128,11 @@ class Gemm8(nn.Module):
                 out = q if self.out_8bit else dequantize_values(q, self.out_scale).to(self.activation_dtype)
         else:
             quant = self.grid if self.out_scale is not None else ""
+            planes = shape[2] * shape[3] if self.out_planes else 0
             out = gemm8(rows, self.weight, self.alpha, self.beta, res_rows, self.act, quant, self.out_scale,
-                        self.qdtype if self.out_8bit else self.activation_dtype)
+                        self.qdtype if self.out_8bit else self.activation_dtype, planes)
+            if planes:
+                return out.view(shape[0], -1, shape[2], shape[3])
         return self._shaped(out, shape)
 
     def _shaped(self, out: Tensor, shape: torch.Size) -> Tensor:
@@ -142,15 +149,16 @@ class Gemm8(nn.Module):
 
     def extra_repr(self) -> str:
         out = "" if self.out_scale is None else f", out={'8-bit' if self.out_8bit else 'on the next grid'}"
+        out += ", as channel planes" if self.out_planes else ""
         out += "" if self.next_scale is None else ", writes the next block's input"
         return (f"{self.precision}, weight={tuple(self.weight.shape)}, conv={self.conv}, act={self.act}, "
                 f"input_8bit={self.input_8bit}{out}, kernel={'cuBLASLt' if self.lt else 'Triton'}")
 
 
 class DWConv8(nn.Module):
-    """A RepLKBlock's large depthwise QuantConv2d as one lkcnn.dwconv8 call: the input in 8 bits, the scales, bias and
-    the block's activation in the epilogue, which writes the next GEMM's 8-bit input (channels_last, as the GEMM
-    reads it)."""
+    """A RepLKBlock's large depthwise QuantConv2d as one lkcnn.dwconv8 call: the input in 8 bits (channel planes,
+    as the Triton GEMM before it writes them), the scales, bias and the block's activation in the epilogue, which
+    writes the next GEMM's 8-bit input (channels_last, as the GEMM reads it)."""
 
     def __init__(self, conv: QuantConv2d, act: str, activation_dtype: torch.dtype) -> None:
         super().__init__()

@@ -7,7 +7,9 @@ folded BatchNorm), ReLU or GELU, a residual addition, and the quantization of th
 `grid` is the identity, or QuantizeLinear with `out_scale` onto `quant`'s grid (int8: round half to even, saturate
 at [-128, 127]; float8_e4m3fn: round to nearest even, saturate at +-448), written either as 8-bit values (`out_dtype`
 the 8-bit dtype: the next GEMM's input) or dequantized (`out_dtype` a float dtype: the input of a layer that computes
-in float on 8-bit values, such as the large depthwise convolution).
+in float on 8-bit values). With `planes` = P > 0 the output is written as (M / P, N, P): each group of P rows (an
+image's pixels) as channel planes, NCHW, for a consumer that reads planes (the 8-bit large depthwise convolution)
+without a layout copy.
 
 Why our own kernel: cuBLASLt's 8-bit GEMMs behind `torch._scaled_mm` / `torch._int_mm` take a bias at most, so every
 BatchNorm, activation, residual addition and quantization after them was a pass of its own over the GEMM's output
@@ -45,7 +47,7 @@ GRIDS = ("", *DTYPE_NAMES)  # "" = no quantization of the output
 
 
 def _check(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
-           out_scale: Tensor | None, out_dtype: torch.dtype) -> None:
+           out_scale: Tensor | None, out_dtype: torch.dtype, planes: int = 0) -> None:
     if a.dtype not in DTYPE_NAMES.values() or w.dtype != a.dtype:
         raise ValueError(f"lkcnn.gemm8 takes int8 or float8_e4m3fn operands of one dtype, got {a.dtype} and {w.dtype}")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
@@ -61,14 +63,28 @@ def _check(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor |
         raise ValueError("lkcnn.gemm8: a quantized output needs a one-element out_scale")
     if out_dtype in DTYPE_NAMES.values() and out_dtype != DTYPE_NAMES.get(quant):
         raise ValueError(f"lkcnn.gemm8: an {out_dtype} output needs quant={str(out_dtype).split('.')[-1]!r}")
+    if planes < 0 or (planes and a.shape[0] % planes):
+        raise ValueError(f"lkcnn.gemm8: planes must be 0 (rows) or divide the {a.shape[0]} rows, got {planes}")
 
 
 @torch.library.custom_op("lkcnn::gemm8", mutates_args=())
 def gemm8(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
-          out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """out[m, n] = grid(act(sum_k a[m, k] w[n, k] * alpha[n] + beta[n]) + residual[m, n]) as `out_dtype`."""
-    _check(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
-    return reference(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
+          out_scale: Tensor | None, out_dtype: torch.dtype, planes: int = 0) -> Tensor:
+    """out[m, n] = grid(act(sum_k a[m, k] w[n, k] * alpha[n] + beta[n]) + residual[m, n]) as `out_dtype`; with
+    `planes` = P, as (M / P, N, P) channel planes."""
+    _check(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype, planes)
+    return as_planes(reference(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype), planes)
+
+
+def as_planes(rows: Tensor, planes: int) -> Tensor:
+    """(M, N) rows as (M / planes, N, planes) channel planes (contiguous); planes 0: the rows."""
+    if not planes:
+        return rows
+    return rows.view(-1, planes, rows.shape[1]).transpose(1, 2).contiguous()
+
+
+def _out_shape(a: Tensor, w: Tensor, planes: int) -> tuple[int, ...]:
+    return (a.shape[0] // planes, w.shape[0], planes) if planes else (a.shape[0], w.shape[0])
 
 
 def _scaled_sums(a: Tensor, w: Tensor, alpha: Tensor) -> Tensor:
@@ -99,25 +115,25 @@ def reference(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tenso
 
 @gemm8.register_fake
 def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
-      out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+      out_scale: Tensor | None, out_dtype: torch.dtype, planes: int = 0) -> Tensor:
+    return a.new_empty(_out_shape(a, w, planes), dtype=out_dtype)
 
 
 @gemm8.register_kernel("cuda")
 def _(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
-      out_scale: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    _check(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype)
-    out = a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
-    launch(a, w, alpha, beta, residual, act, quant, out_scale, out)
+      out_scale: Tensor | None, out_dtype: torch.dtype, planes: int = 0) -> Tensor:
+    _check(a, w, alpha, beta, residual, act, quant, out_scale, out_dtype, planes)
+    out = a.new_empty(_out_shape(a, w, planes), dtype=out_dtype)
+    launch(a, w, alpha, beta, residual, act, quant, out_scale, out, planes=planes)
     return out
 
 
 def launch(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor | None, act: str, quant: str,
            out_scale: Tensor | None, out: Tensor, one_config: bool = False,
-           next_input: tuple[Tensor, Tensor, str, Tensor, Tensor] | None = None) -> None:
-    """Run the Triton kernel into `out` (the GPU tests poison `out` first, then check every value), autotuned or
-    with one tile configuration; with `next_input` (gemm8_next's next_alpha, next_beta, next_quant, next_scale and
-    the 8-bit output) into that output too."""
+           next_input: tuple[Tensor, Tensor, str, Tensor, Tensor] | None = None, planes: int = 0) -> None:
+    """Run the Triton kernel into `out` (contiguous; the GPU tests poison it first, then check every value),
+    autotuned or with one tile configuration; with `next_input` (gemm8_next's next_alpha, next_beta, next_quant,
+    next_scale and the 8-bit output) into that output too; with `planes`, out as gemm8's channel planes."""
     from lkcnn.ops import gemm8_triton  # Triton is imported only where a GPU runs the kernel
 
     a, w = a.contiguous(), w.contiguous()
@@ -129,7 +145,7 @@ def launch(a: Tensor, w: Tensor, alpha: Tensor, beta: Tensor, residual: Tensor |
     gemm8_triton.run(a, w, alpha.contiguous(), beta.contiguous(), residual, out,
                      alpha if out_scale is None else out_scale.reshape(1), m, n, k, ACTS.index(act), grid_id,
                      is_int=a.dtype == torch.int8, dequant=bool(quant) and out.dtype not in DTYPE_NAMES.values(),
-                     one_config=one_config, next_input=None if next_input is None else (
+                     one_config=one_config, planes=planes, next_input=None if next_input is None else (
                          next_input[0].contiguous(), next_input[1].contiguous(), next_input[4],
                          next_input[3].reshape(1), GRIDS.index(next_input[2])))
 

@@ -5,7 +5,8 @@ operands, both K-major as stored), then applies the whole epilogue to the tile i
 Programs walk the tiles in groups of GROUP_M rows of tiles so that neighbouring programs share w's rows in L2.
 Two kernels with one body: operands through TMA descriptors (the hardware copies whole tiles, clips them at the
 tensor's edges, and the program holds no per-element addresses: 30-50% fewer registers on sm_90, no spills), and
-through pointers with masks for operands TMA cannot take.
+through pointers with masks for operands TMA cannot take. Either kernel can write its output as channel planes
+(`planes`: NCHW, for a consumer that reads them) through pointers instead of rows.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ ROUND = tl.constexpr(12582912.0)
 # the whole K run so); adding each 32-deep product into the float32 accumulator keeps float32 sums, as cuBLASLt does
 # without its fast-accumulation mode
 FP8_PRECISE_K = tl.constexpr(32)
-KEY = ["M", "N", "K", "ACT", "GRID", "HAS_RES", "DEQUANT", "NEXT_GRID"]
+KEY = ["M", "N", "K", "ACT", "GRID", "HAS_RES", "DEQUANT", "NEXT_GRID", "PLANE_VEC"]
 
 
 def _config(m: int, n: int, k: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
@@ -86,25 +87,28 @@ def _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT: tl.constexpr):
 
 
 @triton.jit
-def _quotient(y, scale):
+def _quotient(y, scale, SIGNED_ZERO: tl.constexpr):
     """y / scale correctly rounded, as QuantizeLinear divides (a reciprocal multiply alone rounds differently),
     without `div_rn`'s branch to its slow path for every element, which serialized the epilogue: the correctly
     rounded reciprocal, then two corrections by the exact remainder (Markstein's; the second starts within half an
     ulp, so it rounds correctly), as lkcnn's 8-bit large kernel does (csrc/dwconv8/dwconv8_device.cuh). |y| is
-    first clamped to 1024 scales, where every 8-bit grid has saturated, so nothing overflows; a zero keeps its sign."""
+    first clamped to 1024 scales, where every 8-bit grid has saturated, so nothing overflows. With SIGNED_ZERO a
+    zero keeps its sign (e4m3 has a -0; int8 has one zero, so its epilogues skip that select)."""
     inv = tl.div_rn(1.0, scale)
     c = tl.minimum(tl.maximum(y, -1024.0 * scale), 1024.0 * scale)
     q = c * inv
     q = tl.fma(tl.fma(-q, scale, c), inv, q)
     q = tl.fma(tl.fma(-q, scale, c), inv, q)
-    return tl.where(y == 0.0, y, q)
+    if SIGNED_ZERO:
+        q = tl.where(y == 0.0, y, q)
+    return q
 
 
 @triton.jit
 def _quantize(y, scale_ptr, GRID: tl.constexpr, DEQUANT: tl.constexpr):
     if GRID != 0:
         scale = tl.load(scale_ptr)
-        y = _quotient(y, scale)
+        y = _quotient(y, scale, GRID != 1)
         if GRID == 1:  # int8
             y = tl.minimum(tl.maximum(y, -128.0), 127.0) + ROUND  # saturating first rounds as torch.round does
             if DEQUANT:
@@ -128,12 +132,26 @@ def _next_input(stored, a2_ptr, b2_ptr, scale2_ptr, offs_n, N, NEXT_GRID: tl.con
     return _quantize(stored.to(tl.float32) * a2[None, :] + b2[None, :], scale2_ptr, NEXT_GRID, False)
 
 
+@triton.jit
+def _store_planes(out_ptr, y, offs_m, offs_n, M, N, HW, VEC: tl.constexpr):
+    """The tile into an (M // HW, N, HW) output: each image's channel planes (NCHW), row m of image m // HW at
+    pixel m % HW. VEC divides HW and the tile's first row, so each VEC rows lie in one image, consecutive in a
+    plane: the hints let Triton store them as one VEC-byte vector (a warp writes 32 VEC bytes of one plane)."""
+    image = offs_m // HW
+    rows = tl.max_contiguous(tl.multiple_of(image.to(tl.int64) * N * HW + (offs_m - image * HW), VEC), VEC)
+    planes = tl.multiple_of(offs_n.to(tl.int64) * HW, VEC)
+    inside = tl.max_constancy(offs_m < M, VEC)
+    ptrs = out_ptr + rows[:, None] + planes[None, :]
+    tl.store(ptrs, y, mask=inside[:, None] & (offs_n[None, :] < N))
+
+
 @triton.autotune(configs=CONFIGS, key=KEY)
 @triton.jit
 def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr, a2_ptr, b2_ptr, next_ptr,
-                  scale2_ptr, M, N, K, stride_am, stride_wn, stride_rm, stride_om, stride_xm,
+                  scale2_ptr, M, N, K, HW, stride_am, stride_wn, stride_rm, stride_om, stride_xm,
                   ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr, DEQUANT: tl.constexpr,
-                  NEXT_GRID: tl.constexpr, IS_INT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NEXT_GRID: tl.constexpr, PLANE_VEC: tl.constexpr, IS_INT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     off_m, off_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = off_m + tl.arange(0, BLOCK_M)
@@ -155,7 +173,10 @@ def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr
     if HAS_RES:
         y += tl.load(res_ptr + rows64 * stride_rm + offs_n[None, :], mask=inside, other=0.0).to(tl.float32)
     y = _quantize(y, scale_ptr, GRID, DEQUANT).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows64 * stride_om + offs_n[None, :], y, mask=inside)
+    if PLANE_VEC == 0:
+        tl.store(out_ptr + rows64 * stride_om + offs_n[None, :], y, mask=inside)
+    else:
+        _store_planes(out_ptr, y, offs_m, offs_n, M, N, HW, PLANE_VEC)
     if NEXT_GRID != 0:
         x = _next_input(y, a2_ptr, b2_ptr, scale2_ptr, offs_n, N, NEXT_GRID)
         tl.store(next_ptr + rows64 * stride_xm + offs_n[None, :], x.to(next_ptr.dtype.element_ty), mask=inside)
@@ -185,11 +206,11 @@ TMA_CONFIGS = [_tma_config(128, 128, 8, 2, 1), _tma_config(128, 128, 8, 2, 2, ma
 
 @triton.autotune(configs=TMA_CONFIGS, key=KEY)
 @triton.jit
-def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, scale_ptr, a2_ptr, b2_ptr, next_desc,
-                      scale2_ptr, M, N, K, ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr,
-                      DEQUANT: tl.constexpr, NEXT_GRID: tl.constexpr, IS_INT: tl.constexpr, NUM_SMS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      PER_SM: tl.constexpr):
+def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, out_ptr, scale_ptr, a2_ptr, b2_ptr,
+                      next_desc, scale2_ptr, M, N, K, HW, ACT: tl.constexpr, GRID: tl.constexpr,
+                      HAS_RES: tl.constexpr, DEQUANT: tl.constexpr, NEXT_GRID: tl.constexpr,
+                      PLANE_VEC: tl.constexpr, IS_INT: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PER_SM: tl.constexpr):
     # persistent: NUM_SMS * PER_SM programs walk the tiles; the flattened loop lets the pipeliner load the next
     # tile's operands while this one's epilogue runs (most of these GEMMs are one 128-deep K step per tile)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -204,7 +225,10 @@ def _gemm8_tma_kernel(a_desc, w_desc, alpha_ptr, beta_ptr, res_desc, out_desc, s
         if HAS_RES:
             y += res_desc.load([off_m, off_n]).to(tl.float32)
         y = _quantize(y, scale_ptr, GRID, DEQUANT).to(out_desc.dtype)
-        out_desc.store([off_m, off_n], y)  # TMA writes only the part inside the tensor
+        if PLANE_VEC == 0:
+            out_desc.store([off_m, off_n], y)  # TMA writes only the part inside the tensor
+        else:
+            _store_planes(out_ptr, y, off_m + tl.arange(0, BLOCK_M), offs_n, M, N, HW, PLANE_VEC)
         if NEXT_GRID != 0:
             x = _next_input(y, a2_ptr, b2_ptr, scale2_ptr, offs_n, N, NEXT_GRID)
             next_desc.store([off_m, off_n], x.to(next_desc.dtype))
@@ -217,15 +241,18 @@ def tma_ok(*tensors) -> bool:
 
 
 def run(a, w, alpha, beta, residual, out, scale, m: int, n: int, k: int, act: int, grid_id: int, *, is_int: bool,
-        dequant: bool, one_config: bool = False, next_input=None) -> None:
+        dequant: bool, one_config: bool = False, next_input=None, planes: int = 0) -> None:
     """Launch over every output tile (arguments as checked by lkcnn.ops.gemm8): the TMA kernel where every operand
     meets TMA's alignment (channel counts in multiples of 16), else the pointer kernel; autotuned, or with `config`
     that tile configuration alone (the GPU tests: one compile per epilogue instead of one per config).
-    `next_input`: (affine scale, affine shift, 8-bit output, its scale, its grid id) of the next layer's input."""
-    a2, b2, nxt, scale2, next_grid = next_input or (alpha, beta, out, scale, 0)
+    `next_input`: (affine scale, affine shift, 8-bit output, its scale, its grid id) of the next layer's input.
+    `planes`: out is (m // planes, n, planes), each image's channel planes, stored through pointers."""
+    rows = out.view(m, n)  # with planes, the output's memory as rows: a placeholder for the kernels' row store
+    a2, b2, nxt, scale2, next_grid = next_input or (alpha, beta, rows, scale, 0)
+    vec = next(v for v in (16, 8, 4, 2, 1) if planes % v == 0) if planes else 0  # every tile starts at 64 rows
     consts = dict(ACT=act, GRID=grid_id, HAS_RES=residual is not None, DEQUANT=dequant, NEXT_GRID=next_grid,
-                  IS_INT=is_int)
-    tensors = (a, w, out, nxt) if residual is None else (a, w, out, nxt, residual)
+                  PLANE_VEC=vec, IS_INT=is_int)
+    tensors = (a, w, rows, nxt) if residual is None else (a, w, rows, nxt, residual)
     use_tma = tma_ok(*tensors)
     kernel = _gemm8_tma_kernel if use_tma else _gemm8_kernel
     config, meta = None, {}
@@ -242,13 +269,13 @@ def run(a, w, alpha, beta, residual, out, scale, m: int, n: int, k: int, act: in
         from triton.tools.tensor_descriptor import TensorDescriptor
         box = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]] if config else [1, 1]  # the pre-hook sets them
         descs = [TensorDescriptor.from_tensor(t, box)
-                 for t in (a, w, out if residual is None else residual, out, nxt)]
+                 for t in (a, w, rows if residual is None else residual, rows, nxt)]
         if config:
             descs[0].block_shape = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"]]
             descs[1].block_shape = [config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]]
-        kernel[grid](descs[0], descs[1], alpha, beta, descs[2], descs[3], scale, a2, b2, descs[4], scale2, m, n, k,
-                     **consts, **meta)
+        kernel[grid](descs[0], descs[1], alpha, beta, descs[2], descs[3], out, scale, a2, b2, descs[4], scale2, m, n,
+                     k, max(planes, 1), **consts, **meta)
     else:
-        kernel[grid](a, w, alpha, beta, out if residual is None else residual, out, scale, a2, b2, nxt, scale2, m, n,
-                     k, a.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-                     nxt.stride(0), **consts, **meta)
+        kernel[grid](a, w, alpha, beta, rows if residual is None else residual, out, scale, a2, b2, nxt, scale2, m,
+                     n, k, max(planes, 1), a.stride(0), w.stride(0), 0 if residual is None else residual.stride(0),
+                     rows.stride(0), nxt.stride(0), **consts, **meta)
