@@ -226,6 +226,42 @@ def digits_val():
     return make_datamodule(CALIB)
 
 
+def assert_tensorrt_qdq_rules(path: Path, precision: str) -> None:
+    """The QDQ graph meets the rules of TensorRT's explicit quantization (its Quantize / Dequantize layer docs and
+    "Explicit Quantization" guide), checked on the file: TensorRT itself is not installed here. Scales are build-time
+    constants, positive float32, a scalar (per tensor) or a vector (per channel); zero points are zero (symmetric
+    only); activations are quantized per tensor, weights per output channel (axis 0), INT8 weights within
+    [-127, 127]; every QuantizeLinear feeds a DequantizeLinear."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node.op_type)
+    qdq = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert qdq
+    for node in qdq:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        scale = constants.get(node.input[1])
+        assert scale is not None and scale.dtype == "float32" and (scale > 0).all() and scale.ndim <= 1, node.name
+        if len(node.input) > 2:
+            zero_point = constants[node.input[2]]
+            assert zero_point.shape == scale.shape and not zero_point.astype("float32").any(), node.name
+            assert str(zero_point.dtype) == {"int8": "int8", "fp8": "float8_e4m3fn"}[precision], node.name
+        weight = constants.get(node.input[0])
+        if weight is None:  # an activation
+            assert scale.ndim == 0, node.name
+        else:
+            assert node.op_type == "DequantizeLinear" and axis == 0 and scale.shape == (weight.shape[0],), node.name
+            if precision == "int8":
+                assert weight.dtype == "int8" and weight.min() >= -127, node.name
+        if node.op_type == "QuantizeLinear":
+            assert consumers[node.output[0]] == ["DequantizeLinear"], node.name
+
+
 def test_int8_and_fp8_exports_keep_the_digits_accuracy(digits_checkpoint, calibration, digits_val, tmp_path):
     """The target: INT8 and FP8 exports with the default settings keep the float model's top-1 within 0.5 points (one
     of the 359 validation images); all layers in 8 bits (keep_float=[]), FP8 loses 2-4 of them."""
@@ -254,6 +290,7 @@ def test_int8_and_fp8_exports_keep_the_digits_accuracy(digits_checkpoint, calibr
         # one weight scale per tensor and min-max ranges: 23.9 dB INT8, 16.4 dB FP8; this default: 28.7, 21.0)
         assert output_snr(float_model, model, calibration) > {"int8": 27.5, "fp8": 20.0}[precision]
         assert config["onnx"]["opset"] == 19 and config["onnx"]["onnxruntime_relative_error"] < 1e-3
+        assert_tensorrt_qdq_rules(out / "model.onnx", precision)
         with torch.no_grad():
             reference = model(x)
         literal = onnxruntime.SessionOptions()  # the QDQ graph as written: the fake-quant model's arithmetic
