@@ -156,9 +156,9 @@ class Gemm8(nn.Module):
 
 
 class DWConv8(nn.Module):
-    """A RepLKBlock's large depthwise QuantConv2d as one lkcnn.dwconv8 call: the input in 8 bits (channel planes,
-    as the Triton GEMM before it writes them), the scales, bias and the block's activation in the epilogue, which
-    writes the next GEMM's 8-bit input (channels_last, as the GEMM reads it)."""
+    """A RepLKBlock's large depthwise QuantConv2d as one lkcnn.dwconv8 call: the input in 8 bits as NCHW planes (the
+    Triton GEMM before it writes them so; a cuBLASLt one's output is copied), the scales, bias and the block's
+    activation in the epilogue, which writes the next GEMM's 8-bit input (channels_last, as the GEMM reads it)."""
 
     def __init__(self, conv: QuantConv2d, act: str, activation_dtype: torch.dtype) -> None:
         super().__init__()

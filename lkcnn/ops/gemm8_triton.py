@@ -151,8 +151,7 @@ def _gemm8_kernel(a_ptr, w_ptr, alpha_ptr, beta_ptr, res_ptr, out_ptr, scale_ptr
                   scale2_ptr, M, N, K, HW, stride_am, stride_wn, stride_rm, stride_om, stride_xm,
                   ACT: tl.constexpr, GRID: tl.constexpr, HAS_RES: tl.constexpr, DEQUANT: tl.constexpr,
                   NEXT_GRID: tl.constexpr, PLANE_VEC: tl.constexpr, IS_INT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     off_m, off_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
