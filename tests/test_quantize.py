@@ -172,6 +172,36 @@ def test_fp8_onnx_computes_the_network_at_onnxruntimes_default_level(tmp_path):
     assert ops.count("QuantizeLinear") == len(quantized.lkcnn_quantization["layers"])
 
 
+def test_the_tensorrt_rules_check_fails_on_files_that_break_them(tmp_path):
+    """The rules check of the 8-bit ONNX files (used on the digits exports) passes a written INT8 graph and fails it
+    with a negative weight scale, a per-channel activation scale or a non-zero zero point."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = reparameterize_model(randomize_bn(timm.create_model("replknet_tiny", num_classes=5,
+                                                                kernel_sizes=[7, 5, 3, 3], small_kernel=3)).eval())
+    x = torch.randn(4, 3, 32, 32)
+    quantized = quantize(model, [x], "int8", "minmax")
+    with torch.no_grad():
+        expected = quantized(x)
+    path = tmp_path / "model.onnx"
+    _write_onnx(quantized, x, expected, path, 19, "int8")
+    assert_tensorrt_qdq_rules(path, "int8")
+
+    def broken(suffix: str, change) -> Path:
+        graph = onnx.load(str(path))
+        init = next(i for i in graph.graph.initializer if i.name.endswith(suffix))
+        init.CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init)), init.name))
+        onnx.save(graph, str(tmp_path / "broken.onnx"))
+        return tmp_path / "broken.onnx"
+
+    zero_point = next(n.input[2] for n in onnx.load(str(path)).graph.node if n.op_type == "QuantizeLinear")
+    for suffix, change in (("weight_scale", lambda a: -a), ("input_scale", lambda a: a.reshape(1).repeat(3)),
+                           (zero_point, lambda a: a + 1)):
+        with pytest.raises(AssertionError):
+            assert_tensorrt_qdq_rules(broken(suffix, change), "int8")
+
+
 def test_per_tensor_weights_and_the_snr_measurements():
     model = reparameterize_model(randomize_bn(timm.create_model("replknet_tiny", num_classes=5,
                                                                 kernel_sizes=[7, 5, 3, 3], small_kernel=3)).eval())
