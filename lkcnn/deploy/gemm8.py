@@ -131,12 +131,13 @@ class Gemm8(nn.Module):
             planes = shape[2] * shape[3] if self.out_planes else 0
             out = gemm8(rows, self.weight, self.alpha, self.beta, res_rows, self.act, quant, self.out_scale,
                         self.qdtype if self.out_8bit else self.activation_dtype, planes)
-            if planes:
-                return out.view(shape[0], -1, shape[2], shape[3])
         return self._shaped(out, shape)
 
     def _shaped(self, out: Tensor, shape: torch.Size) -> Tensor:
-        """(rows, out channels) back to the input's shape: for a conv the NCHW view of channels_last rows."""
+        """(rows, out channels) back to the input's shape: for a conv the NCHW view of channels_last rows, or of
+        channel planes (`out_planes`)."""
+        if self.conv and out.dim() == 3:
+            return out.view(shape[0], -1, shape[2], shape[3])
         if self.conv:
             b, _, h, w = shape
             return out.view(b, h, w, -1).permute(0, 3, 1, 2)

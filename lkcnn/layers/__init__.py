@@ -13,7 +13,7 @@ REPARAM_LAYERS = (ReparamLargeKernelConv, DecomposedLargeKernelConv)
 `training_form()`."""
 
 __all__ = [
-    "REPARAM_LAYERS", "BranchConvs", "ConvFFN", "DecomposedLargeKernelConv", "ImageConv2d", "LargeKernelConv", "RepLKBlock",
-    "ReparamLargeKernelConv", "UNIREPLKNET_DILATED_BRANCHES", "conv_bn", "dilate_kernel", "fuse_bn", "lk_conv_bn",
-    "pad_to", "resolve_dilated_branches", "to_kernel_size",
+    "REPARAM_LAYERS", "BranchConvs", "ConvFFN", "DecomposedLargeKernelConv", "ImageConv2d", "LargeKernelConv",
+    "RepLKBlock", "ReparamLargeKernelConv", "UNIREPLKNET_DILATED_BRANCHES", "conv_bn", "dilate_kernel", "fuse_bn",
+    "lk_conv_bn", "pad_to", "resolve_dilated_branches", "to_kernel_size",
 ]
