@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lkcnn import timing
-from lkcnn.bench.profile import by_category, profile_kernels
+from lkcnn.bench.profile import by_category, kernel_table, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.layers import ReparamLargeKernelConv
@@ -121,9 +121,9 @@ def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, chann
 
 def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
                    cuda_graph: bool = False, top: int = 30, **model_kwargs) -> str:
-    """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first), and
-    the GPU's busy time per step against the wall time per step (a gap is host time the GPU waits for)."""
-    from torch.autograd import DeviceType
+    """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first) and per
+    cost category (`lkcnn.bench.profile.CATEGORIES`), and the GPU's busy time per step against the wall time per step
+    (a gap is host time the GPU waits for)."""
     from torch.profiler import ProfilerActivity, profile
 
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
@@ -132,12 +132,14 @@ def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, ch
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_ms = timing.mean_ms(step, steps, wall=True)
     events = prof.key_averages()
-    # kernels only: operator rows carry their kernels' time too
-    busy_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
     del step, state
     release()
     table = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70)
-    return f"{table}\nper step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms (kernels, summed)"
+    # GPU work only: operator rows carry their kernels' time too, and the optimizer's annotation spans its kernels
+    ms_by_category = by_category(kernel_table(events), steps)
+    categories = "\n".join(f"  {label:<45s} {ms:7.2f}" for label, ms in ms_by_category.items())
+    return (f"{table}\nGPU ms per step by category:\n{categories}\n"
+            f"per step: wall {wall_ms:.1f} ms, GPU busy {sum(ms_by_category.values()):.1f} ms (kernels, summed)")
 
 
 # ----------------------------------------------------------------------------------------------- floors
