@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lkcnn.deploy.reparam import reparameterize_model
-from lkcnn.layers import LargeKernelConv
+from lkcnn.layers import BranchConvs, LargeKernelConv
 from lkcnn.models import build_model, list_models, parse_model_args
 
 
@@ -24,7 +24,8 @@ def build(name: str, kwargs: dict[str, Any]) -> nn.Module:
 
 
 def count_macs(model: nn.Module, img_size: int) -> tuple[int, int]:
-    """(total MACs, MACs FlopCounterMode attributed to LargeKernelConv modules) for one image; MACs = FLOPs / 2.
+    """(total MACs, MACs FlopCounterMode attributed to the large-kernel convs and their parallel small branches, the
+    LargeKernelConv and BranchConvs modules) for one image; MACs = FLOPs / 2.
 
     The meta-device model gets uninitialized CPU storage (untouched, so no real memory) and runs under fake tensors:
     shapes only, no arithmetic, yet ops see a CPU device as they would in real use.
@@ -36,7 +37,7 @@ def count_macs(model: nn.Module, img_size: int) -> tuple[int, int]:
         with counter, torch.no_grad():
             model.eval()(x)
     root = type(model).__name__
-    lk_names = {f"{root}.{n}" for n, m in model.named_modules() if isinstance(m, LargeKernelConv)}
+    lk_names = {f"{root}.{n}" for n, m in model.named_modules() if isinstance(m, (LargeKernelConv, BranchConvs))}
     lk_flops = sum(sum(ops.values()) for n, ops in counter.get_flop_counts().items() if n in lk_names)
     return counter.get_total_flops() // 2, lk_flops // 2
 

@@ -353,6 +353,10 @@ def test_info_counts_replknet31b():
     assert round(result["params_train"] / 1e6, 2) == 79.86 and round(result["params_deploy"] / 1e6, 2) == 79.53
     assert result["macs_train"] / 1e9 == pytest.approx(15.4, abs=0.1)
     assert result["large_kernel_counted"] and result["large_kernel_macs_train"] > 0
+    # the training form's 5x5 branches count too: 25 MACs per output of each block's branch
+    branches = sum(blocks * c * hw * hw * 25 for blocks, c, hw in zip((2, 2, 18, 2), (128, 256, 512, 1024),
+                                                                      (56, 28, 14, 7)))
+    assert result["large_kernel_macs_train"] - result["large_kernel_macs_deploy"] == branches
 
 
 def test_info_cli(capsys):
