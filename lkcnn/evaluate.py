@@ -13,6 +13,7 @@ app's (Hydra, lkcnn.training), a layer above lkcnn.deploy.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -208,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(model, datamodule, device, args.limit_batches)
     except (ValueError, OSError) as e:  # DataError, ExportError, CheckpointError, a damaged export, ...
         fail(str(e))
-    print(f"top1={result['top1']:.4f} top5={result['top5']:.4f} images/s={result['images_per_s']:.1f} "
+    speed = "n/a (the first batch only warms up)" if math.isnan(result["images_per_s"]) else \
+        f"{result['images_per_s']:.1f}"
+    print(f"top1={result['top1']:.4f} top5={result['top5']:.4f} images/s={speed} "
           f"({result['images']} images, {' '.join(args.overrides)}, {precision}, {device})")
     return 0
 

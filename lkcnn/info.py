@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lkcnn.deploy.export import positive_int
 from lkcnn.deploy.reparam import reparameterize_model
 from lkcnn.layers import BranchConvs, LargeKernelConv
 from lkcnn.models import build_model, list_models, parse_model_args
@@ -62,7 +63,7 @@ def info(name: str, img_size: int = 224, kwargs: dict[str, Any] | None = None) -
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lkcnn-info", description=__doc__)
     parser.add_argument("model", help=f"a timm model name, e.g. one of lkcnn's: {', '.join(list_models())}")
-    parser.add_argument("--img-size", type=int, default=224, help="square input size (default 224)")
+    parser.add_argument("--img-size", type=positive_int, default=224, help="square input size (default 224)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="model keyword argument, read as YAML, e.g. --set kernel_sizes=[31,29,27,13] "
                         "--set small_kernel=0")

@@ -130,3 +130,10 @@ def test_latest_resumes_only_a_run_of_this_model(tmp_path):
     with pytest.raises(ConfigError, match=r"found 3 run\(s\).*none of this model.*kernel_sizes") as err:
         resolve_ckpt_path("latest", str(tmp_path), other)
     assert str(tmp_path / "k31") in str(err.value) and str(tmp_path / "k13") in str(err.value)
+
+
+def test_config_values_that_cannot_run_are_one_line_errors(tmp_path):
+    """A zero image size, and the `cuda` conv policy on tensors lkcnn's kernels cannot take (here the CPU)."""
+    assert "data.img_size=0 must be a positive number of pixels" in user_error(
+        make_cfg(tmp_path / "a", tmp_path, "data.img_size=0"))
+    assert "forced to cuda" in user_error(make_cfg(tmp_path / "b", tmp_path, "conv_impl=cuda", "trainer.max_steps=1"))

@@ -43,3 +43,11 @@ def test_bad_settings_end_in_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("size", ["0", "-3", "big"])
+def test_an_image_size_that_is_not_a_positive_int_is_a_usage_error(size, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["replknet_tiny", "--img-size", size])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--img-size: must be a positive number of pixels" in err.splitlines()[-1]

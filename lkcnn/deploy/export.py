@@ -44,6 +44,17 @@ class ExportError(ValueError):
     """An export that cannot be done or did not verify; the message says why and what to do."""
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a size in pixels: a positive int, else argparse's one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of pixels, got {text!r}")
+    return value
+
+
 def _build(name: str, kwargs: dict[str, Any]) -> nn.Module:
     """lkcnn.models.build_model without downloading anything (`pretrained` is dropped); its errors as ExportError."""
     try:
@@ -160,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onnx", action="store_true", help=f"also write {ONNX_FILE} (needs the onnx package)")
     parser.add_argument("--force", action="store_true",
                         help="replace an earlier export in OUT_DIR (other files there are kept)")
-    parser.add_argument("--input-size", type=int, nargs=2, metavar=("H", "W"),
+    parser.add_argument("--input-size", type=positive_int, nargs=2, metavar=("H", "W"),
                         help="input size recorded and used for the checks (default: the training run's img_size, "
                         "else the model's pretrained_cfg)")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,

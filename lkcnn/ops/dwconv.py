@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from lkcnn.errors import UserError
+
 from . import build, reference
 
 IMPLS = ("auto", "cuda", "torch")
@@ -126,12 +128,16 @@ def implementation(x: Tensor, kernel_size: list[int], padding: list[int]) -> str
     return _choose(x, kernel_size, padding)[0]
 
 
+class ConvImplError(UserError, RuntimeError):
+    """The `cuda` policy forced on a call lkcnn's kernels cannot run (no GPU, an unsupported shape or dtype)."""
+
+
 def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
     """Whether to run lkcnn's kernels; a forced 'cuda' that cannot run raises, an 'auto' fallback warns once."""
     impl, reason = _choose(x, kernel_size, padding)
     if reason is not None:
         if conv_impl() == "cuda":
-            raise RuntimeError(f"the conv implementation is forced to cuda (LKCNN_CONV_IMPL=cuda, conv_impl=cuda or "
+            raise ConvImplError(f"the conv implementation is forced to cuda (LKCNN_CONV_IMPL=cuda, conv_impl=cuda or "
                                f"lkcnn.ops.set_conv_impl), but lkcnn's CUDA kernel cannot run: {reason}. Choose "
                                "'auto' to fall back to PyTorch.")
         if x.is_cuda and reason not in _warned:

@@ -77,6 +77,9 @@ class ImageDataModule(L.LightningDataModule):
                                         or num_workers < 0):
             raise ConfigError(f"data.num_workers={num_workers} must be 0 or more (0 loads in the training "
                               "process), or null for one per core: set e.g. data.num_workers=null")
+        if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < 1:
+            raise ConfigError(f"data.img_size={img_size} must be a positive number of pixels: set e.g. "
+                              "data.img_size=224")
         if mixup and batch_size % 2:
             raise ConfigError(f"mixup/cutmix needs an even batch, got data.batch_size={batch_size}")
         self.num_classes = num_classes
