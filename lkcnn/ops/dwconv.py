@@ -138,8 +138,8 @@ def _use_cuda(x: Tensor, kernel_size: list[int], padding: list[int]) -> bool:
     if reason is not None:
         if conv_impl() == "cuda":
             raise ConvImplError(f"the conv implementation is forced to cuda (LKCNN_CONV_IMPL=cuda, conv_impl=cuda or "
-                               f"lkcnn.ops.set_conv_impl), but lkcnn's CUDA kernel cannot run: {reason}. Choose "
-                               "'auto' to fall back to PyTorch.")
+                                f"lkcnn.ops.set_conv_impl), but lkcnn's CUDA kernel cannot run: {reason}. Choose "
+                                "'auto' to fall back to PyTorch.")
         if x.is_cuda and reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"lkcnn dwconv2d falls back to PyTorch's convolution: {reason}", stacklevel=3)
