@@ -60,4 +60,15 @@ def main(cfg: DictConfig) -> Any:
 
 
 if __name__ == "__main__":
+    import logging
+    import sys
+
+    # imported before Hydra sets up logging, Lightning would give its loggers a console handler of their own and stop
+    # them propagating to the root logger, whose handlers Hydra sets (train.log): a root handler first prevents that
+    logging.getLogger().addHandler(logging.NullHandler())
+    from lkcnn.training.configs import command_line_error
+
+    mistake = command_line_error(sys.argv[1:])  # a misspelled key or option: one line, not Hydra's report
+    if mistake:
+        sys.exit(f"Error: {mistake}")
     main()

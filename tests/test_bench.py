@@ -212,7 +212,7 @@ def test_failures_are_recorded_and_the_run_goes_on():
         assert r["torch"]["best"] in bench.TORCH_VARIANTS  # PyTorch still measured
         assert r["speedup_vs_torch"] is None and r["fraction_of_fma_floor"] is None
     table = bench.format_table(results).splitlines()
-    assert all("lkcnn: RuntimeError" in line for line in table[3:])
+    assert all("lkcnn: ConvImplError" in line for line in table[3:])
     json.dumps(results)
 
     def broken(fn):

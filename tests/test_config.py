@@ -116,8 +116,8 @@ def test_cli_cfg_job_and_help():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.no_such_key=1", "Key 'no_such_key' is not in struct"),
-    ("data=no_such_data", "Could not find 'data/no_such_data'"),
+    ("model.no_such_key=1", "Error: model.no_such_key is not a setting of this config"),
+    ("data=no_such_data", "Error: data=no_such_data is not one of the data configs (digits, imagefolder"),
     pytest.param("trainer=ddp", "add trainer.accelerator=cpu", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="the GPU machine trains instead")),
 ])

@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lkcnn.training import ConfigError, resolve_ckpt_path
+from lkcnn.training.configs import command_line_error
 from lkcnn.training.errors import exit_on_user_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,3 +138,28 @@ def test_config_values_that_cannot_run_are_one_line_errors(tmp_path):
     assert "data.img_size=0 must be a positive number of pixels" in user_error(
         make_cfg(tmp_path / "a", tmp_path, "data.img_size=0"))
     assert "forced to cuda" in user_error(make_cfg(tmp_path / "b", tmp_path, "conv_impl=cuda", "trainer.max_steps=1"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.max_step=3"], "trainer.max_step is not a setting of this config: did you mean trainer.max_steps"),
+    (["model=replknet31b", "model.kernel_size=[3,3,3,3]"], "did you mean model.kernel_sizes"),
+    (["model=replknet_tinyy"], "model=replknet_tinyy is not one of the model configs"),
+    (["+experiment=replknet31b_in1k"], "experiment already has a config: choose another with experiment=..."),
+])
+def test_misspelled_overrides_are_named_with_the_closest_names(overrides, message):
+    error = command_line_error(overrides)
+    assert error is not None and message in error and "\n" not in error
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=replknet31b", "model.kernel_sizes=[3,3,3,3]"],
+                                       ["model.kernel_sizes=[3,3,3,3],[5,5,5,5]"], ["-m", "model.small_kernel=3,5"],
+                                       ["--help"], ["hydra.run.dir=/tmp/somewhere"]])
+def test_overrides_that_compose_sweep_or_pass_flags_go_on_to_hydra(overrides):
+    assert command_line_error(overrides) is None
+
+
+def test_cli_misspelled_key_exits_with_one_line(tmp_path):
+    result = run_cli(f"hydra.run.dir={tmp_path}", "trainer.max_step=3")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("Error: trainer.max_step is not a setting") and "Traceback" not in result.stderr

@@ -16,3 +16,48 @@ def compose_train(overrides: Sequence[str]) -> Any:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides))
+
+
+def command_line_error(args: Sequence[str]) -> str | None:
+    """One line, with the closest names, for train.py overrides that cannot compose (a misspelled key, a config option
+    that does not exist); None when they compose, and for command lines left to Hydra (its flags, multirun sweeps,
+    errors of other kinds). Hydra's own report of these spans several lines and offers `+key=value` for a typo."""
+    import difflib
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf import DictConfig, OmegaConf
+
+    if any(arg.startswith("-") for arg in args):
+        return None
+    try:
+        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(list(args))):
+            return None
+        compose_train(args)
+        return None
+    except MissingConfigException as err:  # "Could not find 'model/replknet_tinyy'"
+        found = re.search(r"Could not find '([^']+)/([^'/]+)'", str(err))
+        options = sorted(p.stem for p in (CONF_DIR / found[1]).glob("*.yaml")) if found else []
+        if not options:
+            return str(err).strip().splitlines()[0]
+        close = difflib.get_close_matches(found[2], options, n=2, cutoff=0.7)
+        hint = f"; did you mean {' or '.join(close)}?" if close else "."
+        return f"{found[1]}={found[2]} is not one of the {found[1]} configs ({', '.join(options)}){hint}"
+    except ConfigCompositionException as err:
+        key = getattr(err.__cause__, "full_key", None)
+        twice = re.match(r"Multiple values for (\S+)\.", str(err))
+        if twice:  # `+group=option` for a group the config already chooses from
+            return f"{twice[1]} already has a config: choose another with {twice[1]}=... (no +)"
+        if not key:
+            return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        parent, _, leaf = key.rpartition(".")
+        rest = [a for a in args if a.lstrip("+~").split("=", 1)[0] != key]
+        node = OmegaConf.select(compose_train(rest), parent) if parent else compose_train(rest)
+        names = [f"{parent}.{k}" if parent else str(k) for k in node] if isinstance(node, DictConfig) else []
+        close = difflib.get_close_matches(key, names, n=2, cutoff=0.7)
+        hint = f": did you mean {' or '.join(close)}?" if close else "."
+        return (f"{key} is not a setting of this config{hint} (`python train.py --cfg job` prints them all; "
+                f"+{key}=... adds a new key)")
+    except Exception:  # anything else is Hydra's to report, as it would without this check
+        return None
