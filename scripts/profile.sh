@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
 ncu_run() {  # ncu_run SKIP COUNT PYTHON-ARGS...: the kernels of the second of two identical rounds
-  ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-dwconv|branches}" --launch-skip "$1" \
+  ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-dwconv|branch}" --launch-skip "$1" \
       --launch-count "$2" ${NCU_EXTRA:-} --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
       --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --section LaunchStats "${@:3}"
 }

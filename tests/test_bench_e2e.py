@@ -22,6 +22,8 @@ NAMES = {
     # the small-branch kernels as demangled from csrc/dwconv/dwconv_branches.cu's anonymous namespace
     "void lkcnn::(anonymous namespace)::branches_conv_kernel<c10::BFloat16, false>(...)": "lkcnn small-branch conv",
     "void lkcnn::(anonymous namespace)::branches_wgrad_kernel<c10::BFloat16>(...)": "lkcnn small-branch conv",
+    # and the tensor-core one of csrc/dwconv/dwconv_branches_tc.cu
+    "void lkcnn::(anonymous namespace)::branch_tc_kernel<c10::BFloat16, 5, false>(...)": "lkcnn small-branch conv",
     "void lkcnn::(anonymous namespace)::transpose_kernel<__nv_bfloat16, 8>(...)": "lkcnn layout copies",
     "void conv2d_c1_k1_nhwc_kernel<__nv_bfloat16, 5, 5>(...)": "cuDNN depthwise conv",
     "void wgrad2d_c1_k1_nhwc_kernel<float, 5>(...)": "cuDNN depthwise conv",

@@ -1,4 +1,5 @@
-"""GPU correctness of lkcnn's small-branch kernels (csrc/dwconv/dwconv_branches.cu) against a float64 reference:
+"""GPU correctness of lkcnn's small-branch kernels (csrc/dwconv/dwconv_branches.cu, and dwconv_branches_tc.cu for the
+forward and input gradient of one 16-bit dilation-1 branch on maps taller than 8 rows) against a float64 reference:
 every branch set the models use, every dtype, channels_last (the kernels' layout) and NCHW (PyTorch's path). Fresh
 random inputs each run (the seed is in the failure message), outputs poisoned with NaN before each launch."""
 from __future__ import annotations
@@ -26,6 +27,8 @@ BRANCH_SETS = {
 # smaller than the dilated branches' span, many channel groups per pixel, a map of several tiles each way with a
 # partly filled last channel block (5 bf16 / 10 fp32 channel groups), and channel counts whose groups do not divide
 # the weight gradient's 256 threads (UniRepLKNet-S's 192 and 384: 24 and 48 bf16 groups, 48 and 96 fp32 groups).
+# The tensor-core kernel (maps taller than 8 rows) meets a 16-row tile with 14, 13 and 9 rows filled, two row tiles
+# (19 rows), columns that end inside an 8-column block (14, 11, 37) and 64-channel blocks filled by 24 or 40.
 SHAPES = [(4, 64, 14, 14), (3, 32, 7, 7), (2, 16, 5, 3), (2, 24, 13, 11), (2, 8, 3, 4), (1, 2048, 6, 9),
           (2, 40, 19, 37), (2, 192, 9, 8), (2, 384, 7, 7)]
 

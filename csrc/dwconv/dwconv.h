@@ -107,6 +107,13 @@ void branches_bwd_input(const std::vector<at::Tensor>& dys, const at::Tensor& w,
 at::Tensor branches_wgrad(const std::vector<at::Tensor>& dys, const at::Tensor& x, const std::vector<int64_t>& ks,
                           const std::vector<int64_t>& rs);
 
+// The forward (flip false) or input gradient (flip true) of one k x k, dilation-1 branch on the tensor cores
+// (dwconv_branches_tc.cu): dst = src correlated with the (k * k, C) table w, flipped for the input gradient; 16-bit
+// channels_last tensors of one shape, C a multiple of 8, k odd up to 9, maps more than 8 rows tall, compute
+// capability 8.0 or newer and the shared memory its tiles need.
+bool branch_tc_fits(const at::Tensor& x, int64_t k, int64_t r);
+void launch_branch_tc(const at::Tensor& src, const at::Tensor& w, const at::Tensor& dst, int64_t k, bool flip);
+
 // Whether the weight-gradient tile for maps of width W fits in shared memory (the forward always fits for k <= 63).
 bool wgrad_supported(int64_t W, int64_t kh, int64_t kw);
 

@@ -17,6 +17,9 @@
 // branches before the one store. The weight gradient gives each block one kernel row of one branch and a range of
 // (sample, row) output rows: a thread accumulates k x VEC taps over its strips, the block sums its threads' partials
 // through shared memory and adds them to the fp32 table with one atomic per tap and channel.
+//
+// The forward and input gradient of a single 16-bit dilation-1 branch on maps taller than 8 rows (RepLKNet's 5x5)
+// run on the tensor cores instead (dwconv_branches_tc.cu).
 #include "dwconv.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -415,6 +418,7 @@ void branches_fwd(const at::Tensor& x, const at::Tensor& w, const std::vector<in
                   const std::vector<int64_t>& rs, const std::vector<at::Tensor>& ys) {
   const Branches br = checked(x, ys, &w, ks, rs, "lkcnn dwconv2d_branches forward");
   const c10::cuda::CUDAGuard guard(x.device());
+  if (ks.size() == 1 && branch_tc_fits(x, ks[0], rs[0])) return launch_branch_tc(x, w, ys[0], ks[0], false);
   dispatch(x.scalar_type(), [&](auto tag) { launch_conv<decltype(tag), false>({x}, ys, w, br, make_geom_nhwc(x)); });
 }
 
@@ -422,6 +426,7 @@ void branches_bwd_input(const std::vector<at::Tensor>& dys, const at::Tensor& w,
                         const std::vector<int64_t>& rs, const at::Tensor& dx) {
   const Branches br = checked(dx, dys, &w, ks, rs, "lkcnn dwconv2d_branches input gradient");
   const c10::cuda::CUDAGuard guard(dx.device());
+  if (ks.size() == 1 && branch_tc_fits(dx, ks[0], rs[0])) return launch_branch_tc(dys[0], w, dx, ks[0], true);
   dispatch(dx.scalar_type(), [&](auto tag) { launch_conv<decltype(tag), true>(dys, {dx}, w, br, make_geom_nhwc(dx)); });
 }
 

@@ -56,7 +56,8 @@ def profile_kernels(fn, calls: int) -> list:
 # pointwise and reduction kernels are elementwise work whatever ops their names list (`..._scaled_mm_...` or
 # `..._gemm8_lt_...` when they quantize a GEMM's input or output): ELEMENTWISE decides them first.
 CATEGORIES = (
-    ("lkcnn small-branch conv", ("branches_conv_kernel", "branches_wgrad_kernel")),  # before dwconv_: the file name
+    # before dwconv_, which the mangled names of these kernels hold (their files' names)
+    ("lkcnn small-branch conv", ("branches_conv_kernel", "branches_wgrad_kernel", "branch_tc_kernel")),
     ("lkcnn large-kernel conv, 8-bit", ("dwconv8_",)),
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),

@@ -14,7 +14,8 @@ from pathlib import Path
 SOURCES = ("extension.cpp",
            "dwconv/dwconv_bindings.cpp", "dwconv/dwconv_fwd.cu", "dwconv/dwconv_wgrad.cu", "dwconv/dwconv_fwd_tc.cu",
            "dwconv/dwconv_wgrad_tc.cu", "dwconv/dwconv_small.cu", "dwconv/dwconv_map_tc.cu",
-           "dwconv/dwconv_fwd_strip.cu", "dwconv/dwconv_branches.cu", "dwconv/layout.cu",
+           "dwconv/dwconv_fwd_strip.cu", "dwconv/dwconv_branches.cu", "dwconv/dwconv_branches_tc.cu",
+           "dwconv/layout.cu",
            "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu",
            "gemm8/gemm8_bindings.cpp", "gemm8/gemm8_lt.cu",
            "dwconv8/dwconv8_bindings.cpp", "dwconv8/dwconv8_fwd.cu", "dwconv8/dwconv8_small.cu")
