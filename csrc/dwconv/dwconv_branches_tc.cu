@@ -66,9 +66,9 @@ template <> __device__ __forceinline__ uint32_t pack_out<c10::Half>(float lo, fl
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <int K> constexpr int tile_units() { return (kTileRows + K - 1) * kRowUnits; }
-template <int K> constexpr int tap_units() { return K * K * kPixelUnits; }
-template <int K> constexpr int smem_bytes() { return (tap_units<K>() + 2 * tile_units<K>()) * 16; }
+constexpr int tile_units(int k) { return (kTileRows + k - 1) * kRowUnits; }
+constexpr int tap_units(int k) { return k * k * kPixelUnits; }
+constexpr int smem_bytes(int k) { return (tap_units(k) + 2 * tile_units(k)) * 16; }
 
 // dst = src correlated with w (FLIP: with w flipped in both axes, the input gradient), 'same' padding. w: the
 // (k * k, C) tap table in the tensors' dtype. Block: (channel block, row tile, sample), channel block fastest.
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
   constexpr int P = K / 2, ROWS = kTileRows + K - 1;
   extern __shared__ uint4 smem[];
   uint4* taps = smem;
-  uint4* tiles = smem + tap_units<K>();
+  uint4* tiles = smem + tap_units(K);
   const int cb = blockIdx.x % channel_blocks, rt = blockIdx.x / channel_blocks % row_tiles;
   const int n = blockIdx.x / channel_blocks / row_tiles;
   const int h0 = rt * kTileRows, rows = min(kTileRows, H - h0);
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
   for (int nb = 0; nb < blocks; ++nb) {
     const int n0 = nb * 8;
     if (nb + 1 < blocks) {
-      stage(n0 + 8, tiles + ((nb + 1) & 1) * tile_units<K>());
+      stage(n0 + 8, tiles + ((nb + 1) & 1) * tile_units(K));
       copy_commit();
       copy_wait<1>();
     } else {
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
     }
     __syncthreads();  // this column block's tile (and the taps) are in
     if (c < C) {
-      const uint4* a_src = tiles + (nb & 1) * tile_units<K>() + a_unit;
+      const uint4* a_src = tiles + (nb & 1) * tile_units(K) + a_unit;
       float acc[8][4];
 #pragma unroll
       for (int e = 0; e < 8; ++e)
@@ -183,8 +183,8 @@ void launch_k(const at::Tensor& src, const at::Tensor& w, const at::Tensor& dst)
   TORCH_CHECK(blocks < INT32_MAX, "lkcnn dwconv2d_branches: the tensor is too large for one launch");
   if (blocks == 0 || W == 0) return;
   constexpr auto kernel = branch_tc_kernel<T, K, FLIP>;
-  allow_dynamic_smem<kernel>(smem_bytes<K>());
-  kernel<<<unsigned(blocks), kWarps * 32, smem_bytes<K>(), at::cuda::getCurrentCUDAStream()>>>(
+  allow_dynamic_smem<kernel>(smem_bytes(K));
+  kernel<<<unsigned(blocks), kWarps * 32, smem_bytes(K), at::cuda::getCurrentCUDAStream()>>>(
       src.const_data_ptr<T>(), w.const_data_ptr<T>(), dst.mutable_data_ptr<T>(), H, W, C, channel_blocks, row_tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -199,10 +199,6 @@ void launch(const at::Tensor& src, const at::Tensor& w, const at::Tensor& dst, i
   }
 }
 
-int smem_for(int64_t k) {
-  return k == 3 ? smem_bytes<3>() : k == 5 ? smem_bytes<5>() : k == 7 ? smem_bytes<7>() : smem_bytes<9>();
-}
-
 }  // namespace
 
 bool branch_tc_fits(const at::Tensor& x, int64_t k, int64_t r) {
@@ -211,7 +207,7 @@ bool branch_tc_fits(const at::Tensor& x, int64_t k, int64_t r) {
   // Maps of 8 rows or fewer fill at most half of a 16-row tile: the SIMT kernels are faster there.
   if (x.size(2) <= kTileRows / 2) return false;
   const auto* prop = at::cuda::getDeviceProperties(x.device().index());
-  return prop->major >= 8 && size_t(smem_for(k)) <= prop->sharedMemPerBlockOptin;
+  return prop->major >= 8 && size_t(smem_bytes(int(k))) <= prop->sharedMemPerBlockOptin;
 }
 
 void launch_branch_tc(const at::Tensor& src, const at::Tensor& w, const at::Tensor& dst, int64_t k, bool flip) {
