@@ -38,11 +38,13 @@ VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "auto": ("lkcnn 'auto' (default dispatch)", "auto", {}),
     # the same with the blocks' small branches on cuDNN (one nn.Conv2d each): the branch kernels' A/B
     "auto_cudnn_small": ("lkcnn 'auto', small branches on cuDNN", "auto:no_branch_kernels", {}),
+    # the same dispatch with cuDNN autotuning its convolutions (cudnn.benchmark; else its heuristics pick)
+    "auto_cudnn_benchmark": ("lkcnn 'auto', cudnn.benchmark", "auto:cudnn_benchmark", {}),
     "torch": ("PyTorch conv", "torch", {}),
     "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", SMALL),
     "torch3": ("PyTorch conv, 3x3, no small branch", "torch", SMALL),
 }
-Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation[:no_branch_kernels], model keywords)
+Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation[:flag...], model keywords)
 
 
 # ----------------------------------------------------------------------------------------------- one variant
@@ -52,9 +54,10 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     torch.compile mode ("default" for torch's) or None for eager. With cuda_graph, the whole step (forward, backward,
     optimizer) is captured once and each step replays it: no host time per step, so the GPU's own time per step is
     what is measured."""
-    conv, _, branches = impl.partition(":")
+    conv, *flags = impl.split(":")
     set_conv_impl(conv)
-    set_branch_kernels(branches != "no_branch_kernels")
+    set_branch_kernels("no_branch_kernels" not in flags)
+    torch.backends.cudnn.benchmark = "cudnn_benchmark" in flags
     model = timm.create_model(name, **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -3,8 +3,8 @@ module names, so official state dicts load by key: the Dilated Reparam Block (a 
 dilated depthwise branches, each with a BatchNorm), squeeze-and-excitation and GRN.
 
 The large kernel runs through lkcnn's `dwconv2d` op; the dilated branches all run through one `dwconv2d_branches`
-call (on a GPU, one pass over x for every branch's output, one for the summed input gradient, one for every
-branch's weight gradient), each branch keeping its own BatchNorm.
+call (on a GPU, one pass over x for every branch's output, one for the summed input gradient, one for the dilated
+branches' weight gradients), each branch keeping its own BatchNorm.
 """
 from __future__ import annotations
 

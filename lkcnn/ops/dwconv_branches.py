@@ -3,9 +3,10 @@ several small depthwise convolutions of one input (branch b: a k_b x k_b kernel 
 the parallel small branches of a re-parameterizable block (RepLKNet's 5x5, UniRepLKNet's dilated branches).
 
 On a GPU, a channels_last input runs on lkcnn's NHWC kernels (csrc/dwconv/dwconv_branches.cu): one launch reads x
-once and writes every branch's output, one writes the input gradient summed over the branches, one computes every
-branch's weight gradient. Where those kernels do not apply (the CPU, an NCHW input, channels not a multiple of 16
-bytes, a (k, r) without a kernel, more than 7 branches) each branch runs PyTorch's convolution, as `nn.Conv2d` would;
+once and writes every branch's output, one writes the input gradient summed over the branches, one computes the
+weight gradients (in 16 bits an undilated branch's comes from cuDNN, which is faster there). Where those kernels do
+not apply (the CPU, an NCHW input, channels not a multiple of 16 bytes, a (k, r) without a kernel, more than 7
+branches) each branch runs PyTorch's convolution, as `nn.Conv2d` would;
 so does every call under `set_conv_impl('torch')` or `set_branch_kernels(False)`. Either way each pass is one
 registered op, so torch.compile keeps one graph.
 """
@@ -91,17 +92,24 @@ def _(grad_outs: list[Tensor], weights: list[Tensor], dilations: list[int]) -> T
 @torch.library.custom_op("lkcnn::dwconv2d_branches_bwd_weight", mutates_args=())
 def dwconv2d_branches_bwd_weight(grad_outs: list[Tensor], x: Tensor, kernel_sizes: list[int],
                                  dilations: list[int]) -> list[Tensor]:
-    if uses_kernels(x, kernel_sizes, dilations):
-        table = build.load().branches_wgrad([_channels_last(g) for g in grad_outs], x, kernel_sizes, dilations)
-        grads, tap = [], 0
-        for k in kernel_sizes:
+    # In 16 bits cuDNN's weight gradient of an undilated depthwise kernel is 1.4-2.6x lkcnn's branch kernel at
+    # RepLKNet's 5x5 shapes (docs/kernels.md), so those branches take it; the dilated ones, where cuDNN is slow, and
+    # fp32 (where it is slower at the deeper stages) stay on the branch kernel
+    ours = ([b for b, r in enumerate(dilations) if r != 1 or x.dtype == torch.float32]
+            if uses_kernels(x, kernel_sizes, dilations) else [])
+    grads = [reference.grad_weight(g, x, [k, k], [r * (k // 2)] * 2, r).contiguous() if b not in ours else None
+             for b, (g, k, r) in enumerate(zip(grad_outs, kernel_sizes, dilations))]
+    if ours:
+        ks = [kernel_sizes[b] for b in ours]
+        table = build.load().branches_wgrad([_channels_last(grad_outs[b]) for b in ours], x, ks,
+                                            [dilations[b] for b in ours])
+        tap = 0
+        for b, k in zip(ours, ks):
             # a copy each: views of one table would alias each other, which a custom op's outputs must not
-            grads.append(table[tap:tap + k * k].t().reshape(x.shape[1], 1, k, k)
-                         .to(x.dtype, memory_format=torch.contiguous_format, copy=True))
+            grads[b] = (table[tap:tap + k * k].t().reshape(x.shape[1], 1, k, k)
+                        .to(x.dtype, memory_format=torch.contiguous_format, copy=True))
             tap += k * k
-        return grads
-    return [reference.grad_weight(g, x, [k, k], [r * (k // 2)] * 2, r).contiguous()
-            for g, k, r in zip(grad_outs, kernel_sizes, dilations)]
+    return grads
 
 
 @dwconv2d_branches_bwd_weight.register_fake
