@@ -168,8 +168,9 @@ __device__ __forceinline__ void store_strip(T* dst, const Geom& g, int n, int h,
 // Forward (BWD false): dst[b] = branch b of src[0]. Input gradient (BWD true): dst[0] = sum over b of branch b's
 // flipped kernel applied to src[b]. One thread per (n, h, strip, channel group), channel groups fastest.
 template <typename T, bool BWD>
-__global__ void __launch_bounds__(kThreads, 2) branches_conv_kernel(Ptrs<T> p, const T* __restrict__ w,
-                                                                 Branches br, Geom g) {
+__global__ void __launch_bounds__(kThreads, 2) branches_conv_kernel(const __grid_constant__ Ptrs<T> p,
+                                                                 const T* __restrict__ w,
+                                                                 const __grid_constant__ Branches br, Geom g) {
   constexpr int VEC = Vec<T>::n;
   const int groups = g.C / VEC;
   const int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -269,8 +270,10 @@ struct RowTable {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) branches_wgrad_kernel(Ptrs<T> p, float* __restrict__ dw, Branches br,
-                                                                  RowTable rt, int krows, Geom g,
+__global__ void __launch_bounds__(kThreads, 2) branches_wgrad_kernel(const __grid_constant__ Ptrs<T> p,
+                                                                  float* __restrict__ dw,
+                                                                  const __grid_constant__ Branches br,
+                                                                  const __grid_constant__ RowTable rt, int krows, Geom g,
                                                                   int rows_per_block, int channel_blocks) {
   constexpr int VEC = Vec<T>::n;
   __shared__ float red[kThreads * VEC];
