@@ -55,6 +55,35 @@ def test_cpu_and_torch_policy_never_take_the_kernels():
         assert not uses_kernels(x, [5], [1])
 
 
+@pytest.mark.parametrize("dtype, kernel_branches", [(torch.bfloat16, [1, 2]), (torch.float32, [0, 1, 2])], ids=str)
+def test_weight_gradient_dispatch_sends_16_bit_undilated_branches_to_cudnn(monkeypatch, dtype, kernel_branches):
+    # Where the branch kernels apply, the op computes some weight gradients on the kernel and the rest with PyTorch's
+    # convolution (cuDNN on a GPU), and must put each branch's gradient back in its place. A stand-in for the
+    # extension computes the kernel's (taps, C) table with PyTorch, so this runs on the CPU.
+    from lkcnn.ops import build, dwconv_branches, reference
+
+    pairs = [(5, 1), (7, 2), (3, 3)]
+    c, calls = 8, []
+
+    class Kernels:
+        @staticmethod
+        def branches_wgrad(grads, x, ks, rs):
+            calls.append((list(ks), list(rs)))
+            return torch.cat([reference.grad_weight(g.float(), x.float(), [k, k], [r * (k // 2)] * 2, r)
+                              .reshape(c, k * k).t() for g, k, r in zip(grads, ks, rs)])
+
+    monkeypatch.setattr(dwconv_branches, "uses_kernels", lambda *args: True)
+    monkeypatch.setattr(build, "load", lambda: Kernels)
+    x = torch.randn(2, c, 9, 10, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    dys = [torch.randn_like(x) for _ in pairs]
+    got = torch.ops.lkcnn.dwconv2d_branches_bwd_weight(dys, x, [k for k, _ in pairs], [r for _, r in pairs])
+    assert calls == [([pairs[b][0] for b in kernel_branches], [pairs[b][1] for b in kernel_branches])]
+    for g, dy, (k, r) in zip(got, dys, pairs):
+        want = reference.grad_weight(dy.double(), x.double(), [k, k], [r * (k // 2)] * 2, r)
+        assert g.shape == (c, 1, k, k) and g.dtype == dtype
+        torch.testing.assert_close(g.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_flops_count_only_the_real_taps():
     x, ws, rs = _case(c=4, h=8, w=8)
     with FlopCounterMode(display=False) as counter:
