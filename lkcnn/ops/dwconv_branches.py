@@ -6,9 +6,9 @@ On a GPU, a channels_last input runs on lkcnn's NHWC kernels (csrc/dwconv/dwconv
 once and writes every branch's output, one writes the input gradient summed over the branches, one computes the
 weight gradients (in 16 bits an undilated branch's comes from cuDNN, which is faster there). Where those kernels do
 not apply (the CPU, an NCHW input, channels not a multiple of 16 bytes, a (k, r) without a kernel, more than 7
-branches) each branch runs PyTorch's convolution, as `nn.Conv2d` would;
-so does every call under `set_conv_impl('torch')` or `set_branch_kernels(False)`. Either way each pass is one
-registered op, so torch.compile keeps one graph.
+branches) each branch runs PyTorch's convolution, as `nn.Conv2d` would; so does every call under
+`set_conv_impl('torch')` or `set_branch_kernels(False)`. Either way each pass is one registered op, so torch.compile
+keeps one graph.
 """
 from __future__ import annotations
 
