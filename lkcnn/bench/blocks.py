@@ -1,0 +1,200 @@
+"""`python -m lkcnn.bench blocks`: one repeating unit of each stage of a network, compiled and trained alone, GPU time
+by category, and that time times the stage's number of units: the step's block work in seconds of compilation
+instead of the minutes a whole compiled network takes (`lkcnn.bench e2e`). The quick way to try a lever on the work
+around the kernels, such as inductor's settings, before a whole-network run confirms it:
+
+    python -m lkcnn.bench blocks [--models replknet31b,convnext_base] [--batch 64] [--json FILE]
+    python -m lkcnn.bench blocks --inductor combo_kernels=True --inductor triton.tile_reductions=True
+
+A unit is a stage's shortest repeating run of blocks of the same structure (RepLKNet: a RepLK block and its ConvFFN;
+UniRepLKNet-B's third stage: a 13x13 block and two 3x3 ones; ConvNeXt: one block). Each runs as `lkcnn.bench e2e`'s
+step does: channels_last, bf16 autocast, `torch.compile(mode="reduce-overhead")`, forward and backward (no
+optimizer), on an input of the shape and dtype the whole network hands that stage, with a mean-square loss. The stems,
+downsampling layers and head are left out. Each `--inductor` value (comma-separated settings of
+`torch._inductor.config`) is one more variant, run after inductor's defaults. The unit's own kernels ("blocks" in the
+table) leave out two costs of running it alone: its loss (eager PyTorch kernels, "other") and the CUDA graph's copy of
+its input (a foreach copy, which the profile files under "optimizer"); inside the whole network neither exists.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+
+from lkcnn.bench.e2e import COMPILE_MODE, release
+from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, profile_kernels
+from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.ops import set_conv_impl
+
+DEFAULT = "inductor defaults"
+INDUCTOR = ELEMENTWISE[1]
+HARNESS = (OTHER, "optimizer")  # a unit's loss and the CUDA graph's input copy: not the blocks' work (module doc)
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """`key=value,...` as `torch._inductor.config` settings; values are Python literals (`True`, `1`) or strings.
+    ValueError names the first key inductor does not have or an item without `=`."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    settings: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not key=value")
+        if key not in known:
+            raise ValueError(f"torch {torch.__version__} has no inductor setting {key!r}")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return settings
+
+
+def period(kinds: Sequence[str]) -> int:
+    """The length of the shortest run that `kinds` repeats (the whole sequence where none repeats)."""
+    return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+
+
+def _blocks(stage: nn.Module) -> list[nn.Module]:
+    return list(stage.blocks if hasattr(stage, "blocks") else stage.children())
+
+
+def stage_units(model: nn.Module, image: int = 224) -> list[dict[str, Any]]:
+    """Per stage of `model` (timm's `stages`): its repeating unit (sharing the model's modules), how many units the
+    stage holds, and the shape (C, H, W) and dtype of the input the network hands its first block under the
+    autocast of the step (bf16 on a GPU)."""
+    stages = [_blocks(stage) for stage in model.stages]
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [blocks[0].register_forward_pre_hook(lambda _, args, i=i: inputs.setdefault(i, args[0]))
+             for i, blocks in enumerate(stages)]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            model.eval()(torch.zeros(1, 3, image, image, device=device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    units = []
+    for i, blocks in enumerate(stages):
+        p = period([repr(b) for b in blocks])  # the structure: kinds, channels, kernel sizes, dilations
+        units.append({"stage": i, "unit": nn.Sequential(*blocks[:p]), "count": len(blocks) // p,
+                      "kinds": [type(b).__name__ for b in blocks[:p]], "shape": tuple(inputs[i].shape[1:]),
+                      "dtype": inputs[i].dtype})
+    return units
+
+
+def unit_report(unit: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, batch: int, steps: int,
+                settings: dict[str, Any]) -> dict[str, Any]:
+    """GPU ms per training step of one unit by category (torch.profiler over `steps` steps after the warm-up that
+    compiles it under the inductor `settings`)."""
+    import torch._inductor.config as inductor_config
+
+    unit = unit.cuda().train().to(memory_format=torch.channels_last)
+    compiled = torch.compile(unit, mode=COMPILE_MODE)
+    x = torch.randn(batch, *shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+    def step() -> None:
+        unit.zero_grad(set_to_none=True)  # the gradients are CUDA-graph outputs: never accumulated into
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(x).float().square().mean()
+        loss.backward()
+    with inductor_config.patch(settings):  # the settings hold while the warm-up compiles
+        for _ in range(3):
+            step()
+    for _ in range(3):
+        step()
+    kernels = profile_kernels(step, steps)
+    del compiled, x
+    release()
+    return {"gpu_ms_by_category": by_category(kernels, steps),
+            "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps}
+
+
+def network_rows(name: str, batch: int, steps: int, variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant of network `name`: per stage the unit's report, and the step's block time (each
+    category summed over the stages, times their unit counts)."""
+    model = timm.create_model(name).cuda()
+    units = stage_units(model)
+    rows = []
+    for label, settings in variants.items():
+        stages, total = [], {}
+        for u in units:
+            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps, settings)
+            stages.append({"stage": u["stage"], "kinds": u["kinds"], "units": u["count"], "shape": list(u["shape"]),
+                           "dtype": str(u["dtype"]).removeprefix("torch."), **report})
+            for category, ms in report["gpu_ms_by_category"].items():
+                total[category] = total.get(category, 0.0) + ms * u["count"]
+        rows.append({"network": name, "variant": label, "settings": settings, "stages": stages,
+                     "gpu_ms_by_category": total, "gpu_busy_ms": sum(total.values())})
+        print(f"lkcnn-bench blocks: {name}, {label}: {rows[-1]['gpu_busy_ms']:.2f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def blocks_ms(categories: dict[str, float]) -> float:
+    """The blocks' own GPU ms: every category but the harness's."""
+    return sum(ms for category, ms in categories.items() if category not in HARNESS)
+
+
+def table(rows: list[dict[str, Any]], batch: int, device: str) -> str:
+    """Per network and variant: the step's block time (the blocks' own kernels, of them inductor's fused ones, all
+    kernels with the harness's) and each stage's unit."""
+    lines = [f"batch {batch}, 224 px, bf16 autocast, channels_last, compiled ({COMPILE_MODE}), forward + backward, "
+             f"{device}; GPU ms per step (the blocks; stems, downsampling and head left out)",
+             f"{'network':16s} {'variant':40s} {'blocks':>7s} {'inductor':>9s} {'x default':>9s} {'all':>7s}   "
+             "per stage: unit's blocks ms x units"]
+    base: dict[str, float] = {}
+    for row in rows:
+        own = blocks_ms(row["gpu_ms_by_category"])
+        base.setdefault(row["network"], own)
+        stages = "  ".join(f"{blocks_ms(s['gpu_ms_by_category']):.3f}x{s['units']}" for s in row["stages"])
+        lines.append(f"{row['network']:16s} {row['variant'][:40]:40s} {own:7.2f} "
+                     f"{row['gpu_ms_by_category'].get(INDUCTOR, 0.0):9.2f} {own / base[row['network']]:9.3f} "
+                     f"{row['gpu_busy_ms']:7.2f}   {stages}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lkcnn-bench blocks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=lambda s: s.split(","), default=["replknet31b"],
+                        help="comma list of timm names whose stages hold blocks (timm's `stages`)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10, help="profiled steps per unit, after the warm-up")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE[,...]",
+                        help="one more variant: these torch._inductor.config settings (repeatable)")
+    parser.add_argument("--json", default="", help="write a train_blocks benchmark record here")
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    variants = {DEFAULT: {}}
+    for text in args.inductor:
+        try:
+            variants[text] = parse_settings(text)
+        except ValueError as err:
+            parser.error(f"--inductor: {err}")
+    missing = [m for m in args.models if not timm.is_model(m)]
+    if missing:
+        parser.error(f"--models: {missing} are not timm model names")
+    if not torch.cuda.is_available():
+        sys.exit("lkcnn-bench blocks: no CUDA device is visible; it times training steps on a GPU")
+    set_conv_impl("auto")  # the default dispatch, as users train
+    rows = [row for name in args.models for row in network_rows(name, args.batch, args.steps, variants)]
+    print(table(rows, args.batch, torch.cuda.get_device_name()))
+    if args.json:
+        method = {"timer": "torch.profiler kernel times over --steps steps after 6 warm-up steps (3 compiling)",
+                  "units": "GPU ms per training step (forward + backward, no optimizer) of each stage's unit, and "
+                           "summed over the stages times their unit counts",
+                  "batch": args.batch, "regime": f"compiled ({COMPILE_MODE}), channels_last", "dtype": "bf16 autocast"}
+        write_record(args.json, make_record("train_blocks", torch.device("cuda"), command_line(["blocks", *argv]),
+                                            method, rows))
+        print(f"wrote {args.json}")
