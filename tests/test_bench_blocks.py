@@ -7,6 +7,7 @@ import timm
 import torch
 
 from lkcnn.bench import blocks
+from lkcnn.errors import UserError
 
 
 def test_period_is_the_shortest_repeating_run():
@@ -31,6 +32,11 @@ def test_units_cover_every_stage(name, kinds):
         assert all(a is b for a, b in zip(unit["unit"], stage_blocks))  # the model's own modules
         x = torch.zeros(2, *unit["shape"])
         assert unit["unit"].eval()(x).shape == x.shape  # the shape its first block is handed
+
+
+def test_a_network_without_stages_is_named():
+    with pytest.raises(UserError, match="ResNet keeps no blocks in timm's `stages`"):
+        blocks.stage_units(timm.create_model("resnet18"))
 
 
 def test_step_time_is_the_units_times_their_counts(monkeypatch):

@@ -30,6 +30,7 @@ from torch import nn
 from lkcnn.bench.e2e import COMPILE_MODE, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.errors import UserError
 from lkcnn.ops import set_conv_impl
 
 DEFAULT = "inductor defaults"
@@ -69,7 +70,10 @@ def _blocks(stage: nn.Module) -> list[nn.Module]:
 def stage_units(model: nn.Module, image: int = 224) -> list[dict[str, Any]]:
     """Per stage of `model` (timm's `stages`): its repeating unit (sharing the model's modules), how many units the
     stage holds, and the shape (C, H, W) and dtype of the input the network hands its first block under the
-    autocast of the step (bf16 on a GPU)."""
+    autocast of the step (bf16 on a GPU). UserError for a network without timm's `stages`."""
+    if not isinstance(getattr(model, "stages", None), nn.Sequential | nn.ModuleList):
+        raise UserError(f"{type(model).__name__} keeps no blocks in timm's `stages` (as ConvNeXt, RepLKNet and "
+                         "UniRepLKNet do); choose such a network")
     stages = [_blocks(stage) for stage in model.stages]
     inputs: dict[int, torch.Tensor] = {}
     hooks = [blocks[0].register_forward_pre_hook(lambda _, args, i=i: inputs.setdefault(i, args[0]))
@@ -188,7 +192,10 @@ def main(argv: Sequence[str]) -> None:
     if not torch.cuda.is_available():
         sys.exit("lkcnn-bench blocks: no CUDA device is visible; it times training steps on a GPU")
     set_conv_impl("auto")  # the default dispatch, as users train
-    rows = [row for name in args.models for row in network_rows(name, args.batch, args.steps, variants)]
+    try:
+        rows = [row for name in args.models for row in network_rows(name, args.batch, args.steps, variants)]
+    except UserError as err:
+        sys.exit(f"lkcnn-bench blocks: {err}")
     print(table(rows, args.batch, torch.cuda.get_device_name()))
     if args.json:
         method = {"timer": "torch.profiler kernel times over --steps steps after 6 warm-up steps (3 compiling)",
