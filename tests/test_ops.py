@@ -69,7 +69,34 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_input, (torch.randn_like(x), w, [3, 2]))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (torch.randn_like(x), x, [7, 5], [3, 2]))
     torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (torch.randn_like(x), x, w, [3, 2]))
-    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd_keep, (x, w, b, [3, 2]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd_keep_flat, (x, w, b, [3, 2]))
+    # the backward ops also take the forward's kept copy, flat
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (torch.randn_like(x), x.flatten(2), [7, 5], [3, 2]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (torch.randn_like(x), x.flatten(2), w, [3, 2]))
+
+
+def test_compiled_training_saves_the_kept_copy_flat():
+    """Inductor's layout optimization gives every 4-D activation a compiled forward saves downstream of a convolution
+    channels_last strides (the CPU's inductor decides layouts as the GPU's does): the forward's NCHW copy of x is
+    saved as (N, C, H*W), so nothing transposes it to channels_last after the forward and back before the backward."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 12).contiguous(memory_format=torch.channels_last)
+    w1 = torch.randn(8, 8, 1, 1, requires_grad=True)
+    wd = torch.randn(8, 1, 7, 7, requires_grad=True)
+
+    def step(x, w1, wd):
+        y = torch.relu(F.conv2d(x, w1))
+        z = torch.ops.lkcnn.dwconv2d_fwd_keep_flat(y, wd, None, [3, 3])[0]
+        return torch.relu(F.conv2d(z, w1)).square().sum()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = torch.compile(step)(x, w1, wd)
+    compiled_grads = torch.autograd.grad(loss, (w1, wd))
+    eager_grads = torch.autograd.grad(step(x, w1, wd), (w1, wd))
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    kept = [t for t in saved if t.shape == (2, 8, 144)]
+    assert len(kept) == 1 and kept[0].is_contiguous()
 
 
 def test_compile_fullgraph_has_no_graph_break():

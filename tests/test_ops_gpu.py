@@ -292,7 +292,7 @@ def test_channels_last_training_ops():
         return set(counter.get_flop_counts()["Global"])
 
     lk = torch.ops.lkcnn
-    assert ops_of(torch.bfloat16, True) == {lk.dwconv2d_fwd_keep, lk.dwconv2d_bwd}
+    assert ops_of(torch.bfloat16, True) == {lk.dwconv2d_fwd_keep_flat, lk.dwconv2d_bwd}
     assert ops_of(torch.float32, True) == {lk.dwconv2d_fwd, lk.dwconv2d_bwd}
     assert ops_of(torch.bfloat16, False) == {lk.dwconv2d_fwd}
     with use_conv_impl("torch"):  # PyTorch's convolution keeps no copy
@@ -352,7 +352,12 @@ def test_opcheck():
     for layout in LAYOUTS:  # the shared NCHW copy of a channels_last or strided gradient; the forward's kept copy
         torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (_layout(dy, layout), _layout(x, layout), w, [4, 3]))
         xb = _layout(x.bfloat16(), layout)
-        torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd_keep, (xb, w.bfloat16(), b.bfloat16(), [4, 3]))
+        torch.library.opcheck(torch.ops.lkcnn.dwconv2d_fwd_keep_flat,
+                              (xb, w.bfloat16(), b.bfloat16(), [4, 3]))
+    # the backward ops on the forward's kept copy, flat, as training saves it
+    dyb, xb_flat = _layout(dy.bfloat16(), "channels_last"), x.bfloat16().flatten(2)
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd, (dyb, xb_flat, w.bfloat16(), [4, 3]))
+    torch.library.opcheck(torch.ops.lkcnn.dwconv2d_bwd_weight, (dyb, xb_flat, [9, 7], [4, 3]))
 
 
 def test_compile_fullgraph_and_autocast():

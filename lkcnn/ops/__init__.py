@@ -2,8 +2,8 @@
 
 `dwconv2d(x, weight, bias=None, padding=None)` is the one entry point; it is backed by the registered ops
 `torch.ops.lkcnn.dwconv2d_fwd`, `dwconv2d_bwd_input` and `dwconv2d_bwd_weight`, and two variants that share layout
-copies in channels_last training: `dwconv2d_fwd_keep` (the output and the NCHW copy of x, saved for the weight
-gradient) and `dwconv2d_bwd` (both gradients from one call). Which implementation runs (lkcnn's CUDA kernels or
+copies in channels_last training: `dwconv2d_fwd_keep_flat` (the output and the NCHW copy of x, flat, saved for the
+weight gradient) and `dwconv2d_bwd` (both gradients from one call). Which implementation runs (lkcnn's CUDA kernels or
 PyTorch's convolution) is `set_conv_impl` / `use_conv_impl`'s choice, LKCNN_CONV_IMPL the user's default.
 `dwconv2d_branches(x, weights, dilations)` runs several small (dilated) depthwise convolutions of one input, the
 small branches of the re-parameterizable blocks, in one pass per direction.

@@ -2,7 +2,7 @@
 
 Each pass is its own custom op with a fake (meta) implementation, so autograd, torch.compile (no graph break) and
 FlopCounterMode see one op per pass. Two variants serve channels_last training, where lkcnn's kernels read NCHW
-copies: `dwconv2d_fwd_keep` also returns the forward's copy of x, which autograd saves for the weight gradient, and
+copies: `dwconv2d_fwd_keep_flat` also returns the forward's copy of x, which autograd saves for the weight gradient, and
 `dwconv2d_bwd` runs both backward passes on one copy of the gradient. Each op runs lkcnn's CUDA kernels when the
 tensors are on a GPU and the configuration is supported, and PyTorch's convolution otherwise.
 The implementation is a choice, `auto|cuda|torch`: `set_conv_impl` / `use_conv_impl` make it, LKCNN_CONV_IMPL is the
@@ -59,7 +59,7 @@ def conv_impl() -> str:
 def set_conv_impl(impl: str | None) -> None:
     """Choose the implementation for the whole process ('auto', 'cuda' or 'torch'); None returns to the user's
     default (LKCNN_CONV_IMPL, else 'auto'). Every op call reads it when it runs; choose before torch.compile, whose
-    trace fixes whether `dwconv2d` calls dwconv2d_fwd_keep (which keeps an NCHW copy of x for the backward)."""
+    trace fixes whether `dwconv2d` calls dwconv2d_fwd_keep_flat (which keeps an NCHW copy of x for the backward)."""
     global _chosen
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"conv_impl={impl!r} is not one of {', '.join(IMPLS)}")
@@ -175,10 +175,16 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> Ten
     return torch.empty_like(x, memory_format=_memory_format(x))
 
 
-@torch.library.custom_op("lkcnn::dwconv2d_fwd_keep", mutates_args=())
-def dwconv2d_fwd_keep(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
-    """(dwconv2d_fwd's y, x as NCHW): the forward that also returns the NCHW copy of x lkcnn's kernels read, which
-    autograd then saves for the weight gradient instead of x, so that pass does not make the copy again.
+# The name says the kept copy's shape: torch's compile caches find a compiled graph by the ops it calls, not by their
+# fake implementations, so an op whose outputs change shape takes a new name, or a cached graph expecting the old
+# shapes would be reused.
+@torch.library.custom_op("lkcnn::dwconv2d_fwd_keep_flat", mutates_args=())
+def dwconv2d_fwd_keep_flat(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
+    """(dwconv2d_fwd's y, x as NCHW flattened to (N, C, H*W)): the forward that also returns the NCHW copy of x
+    lkcnn's kernels read, which autograd then saves for the weight gradient instead of x, so that pass does not make
+    the copy again. The copy is 3-D because inductor's layout optimization gives every 4-D activation that a compiled
+    forward saves downstream of a convolution channels_last strides: a 4-D copy was transposed to channels_last after
+    the forward and back to NCHW before the backward, two copies of x per layer and step.
 
     `dwconv2d` calls it only where the implementation in force sends the kernel size to lkcnn's kernels, so a
     compiled graph holds that choice in its ops (a graph compiled under another implementation, e.g. from torch's
@@ -189,14 +195,13 @@ def dwconv2d_fwd_keep(x: Tensor, weight: Tensor, bias: Tensor | None, padding: l
         x_nchw = x.clone() if x.is_contiguous() else ext.to_nchw(x)  # an output must not alias an input
         y = _new_like(x)
         ext.fwd(x_nchw, weight, bias, y, padding[0], padding[1], False)
-        return y, x_nchw
-    return dwconv2d_fwd(x, weight, bias, padding), x.clone(memory_format=torch.contiguous_format)
+        return y, x_nchw.flatten(2)
+    return dwconv2d_fwd(x, weight, bias, padding), x.clone(memory_format=torch.contiguous_format).flatten(2)
 
 
-@dwconv2d_fwd_keep.register_fake
+@dwconv2d_fwd_keep_flat.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, padding: list[int]) -> tuple[Tensor, Tensor]:
-    return (torch.empty_like(x, memory_format=_memory_format(x)),
-            torch.empty_like(x, memory_format=torch.contiguous_format))
+    return torch.empty_like(x, memory_format=_memory_format(x)), x.new_empty((*x.shape[:2], x.shape[2] * x.shape[3]))
 
 
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_input", mutates_args=())
@@ -214,8 +219,16 @@ def _(grad_out: Tensor, weight: Tensor, padding: list[int]) -> Tensor:
     return torch.empty_like(grad_out, memory_format=_memory_format(grad_out))
 
 
+def _as_map(x: Tensor, grad_out: Tensor) -> Tensor:
+    """A backward op's x as (N, C, H, W): x itself, or dwconv2d_fwd_keep_flat's (N, C, H*W) copy of it viewed with the
+    output's shape (the same as x's). The view happens inside the ops, where the compiler cannot hoist it into the
+    forward graph and save a 4-D tensor after all."""
+    return x.view(grad_out.shape) if x.dim() == 3 else x
+
+
 @torch.library.custom_op("lkcnn::dwconv2d_bwd_weight", mutates_args=())
 def dwconv2d_bwd_weight(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -> Tensor:
+    x = _as_map(x, grad_out)
     if _use_cuda(x, kernel_size, padding):
         return build.load().wgrad(grad_out, x, *kernel_size, *padding)
     return reference.grad_weight(grad_out, x, kernel_size, padding).contiguous()
@@ -230,6 +243,7 @@ def _(grad_out: Tensor, x: Tensor, kernel_size: list[int], padding: list[int]) -
 def dwconv2d_bwd(grad_out: Tensor, x: Tensor, weight: Tensor, padding: list[int]) -> tuple[Tensor, Tensor]:
     """(grad_input, grad_weight) in one call: what autograd runs when both are needed, so that lkcnn's kernels make
     one NCHW copy of a channels_last grad_out for both passes instead of one each."""
+    x = _as_map(x, grad_out)
     if _use_cuda(x, list(weight.shape[-2:]), padding):
         dx = _new_like(grad_out)
         return dx, build.load().bwd(grad_out, x, weight, dx, padding[0], padding[1])
@@ -290,10 +304,10 @@ def _setup_context_keep(ctx, inputs, output) -> None:
 
 
 def _backward_keep(ctx, grad: Tensor, _grad_x_nchw: Tensor | None):
-    return _backward(ctx, grad)
+    return _backward(ctx, grad)  # x is the (N, C, H*W) copy, which the backward ops take as it is (_as_map)
 
 
-dwconv2d_fwd_keep.register_autograd(_backward_keep, setup_context=_setup_context_keep)
+dwconv2d_fwd_keep_flat.register_autograd(_backward_keep, setup_context=_setup_context_keep)
 
 
 def _conv_flops(shape: torch.Size, kernel_size) -> int:
@@ -306,7 +320,7 @@ def _fwd_flops(x_shape, w_shape, bias_shape, padding, *args, **kwargs) -> int:
     return _conv_flops(x_shape, w_shape[-2:])
 
 
-@register_flop_formula(torch.ops.lkcnn.dwconv2d_fwd_keep)
+@register_flop_formula(torch.ops.lkcnn.dwconv2d_fwd_keep_flat)
 def _fwd_keep_flops(x_shape, w_shape, bias_shape, padding, *args, **kwargs) -> int:
     return _conv_flops(x_shape, w_shape[-2:])
 
@@ -318,12 +332,12 @@ def _bwd_input_flops(grad_shape, w_shape, padding, *args, **kwargs) -> int:
 
 @register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd)
 def _bwd_flops(grad_shape, x_shape, w_shape, padding, *args, **kwargs) -> int:
-    return 2 * _conv_flops(x_shape, w_shape[-2:])
+    return 2 * _conv_flops(grad_shape, w_shape[-2:])  # grad_out has x's shape, which may come flattened
 
 
 @register_flop_formula(torch.ops.lkcnn.dwconv2d_bwd_weight)
 def _bwd_weight_flops(grad_shape, x_shape, kernel_size, padding, *args, **kwargs) -> int:
-    return _conv_flops(x_shape, kernel_size)
+    return _conv_flops(grad_shape, kernel_size)
 
 
 def _check_args(x: Tensor, weight: Tensor, bias: Tensor | None, padding) -> list[int]:
@@ -371,5 +385,5 @@ def dwconv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=None
             and _policy_allows_kernels(list(weight.shape[-2:]))):
         # lkcnn's 16-bit passes all read NCHW copies of channels_last tensors: the weight gradient reuses the
         # forward's
-        return torch.ops.lkcnn.dwconv2d_fwd_keep(x, weight, bias, padding)[0]
+        return torch.ops.lkcnn.dwconv2d_fwd_keep_flat(x, weight, bias, padding)[0]
     return torch.ops.lkcnn.dwconv2d_fwd(x, weight, bias, padding)
