@@ -1,4 +1,4 @@
-"""lkcnn's benchmarks, `python -m lkcnn.bench [kernels|e2e|loader|app|deploy8] ...` (see __main__.py): each module is one
+"""lkcnn's benchmarks, `python -m lkcnn.bench <benchmark> ...` (the list: __main__.py's COMMANDS): each module is one
 benchmark, timed through `timing` and written in `record`'s format (benchmarks/README.md).
 
 They run from a checkout: the training-app benchmarks compose train.py's configs from conf/, and the kernel

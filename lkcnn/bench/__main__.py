@@ -10,7 +10,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("kernels", "branches", "blocks", "e2e", "loader", "app", "deploy8")  # modules of lkcnn.bench, each with main(argv)
+# modules of lkcnn.bench, each with main(argv)
+COMMANDS = ("kernels", "branches", "blocks", "e2e", "loader", "app", "deploy8")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
