@@ -38,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import lkcnn  # noqa: F401  registers the models
 from lkcnn import timing
 from lkcnn.bench.profile import gpu_timeline, kernel_table, per_step
+from lkcnn.compile import compile_model
 from lkcnn.layers.sync_batchnorm import SyncBatchNorm
 from lkcnn.ops.sync_batchnorm import enable_nvlink_exchange, sync_batch_norm
 
@@ -65,7 +66,7 @@ def build(bn: str, device: torch.device, channels_last: bool, compile_mode: str 
                     m.__class__ = _AlwaysSynced
     if compile_mode:
         torch._dynamo.config.optimize_ddp = False  # as lkcnn.training.module
-        model.compile(mode=compile_mode)
+        compile_model(model, compile_mode)
     return model
 
 

@@ -58,7 +58,7 @@ def test_step_time_is_the_units_times_their_counts(monkeypatch):
     assert [s["units"] for s in rows[0]["stages"]] == [2, 2, 18, 2]
     lines = blocks.table(rows, 64, "H200").splitlines()
     assert "H200" in lines[0]
-    assert lines[2].split()[1:7] == ["inductor", "defaults", f"{want:.2f}", f"{want / 2:.2f}", "1.000",
+    assert lines[2].split()[1:8] == ["lkcnn's", "compile", "settings", f"{want:.2f}", f"{want / 2:.2f}", "1.000",
                                      f"{want + 18:.2f}"]
     assert lines[3].split()[1:5] == ["combo_kernels=True", f"{2 * want:.2f}", f"{want:.2f}", "2.000"]
 

@@ -20,7 +20,8 @@ from lkcnn.ops import conv_impl, dwconv
 from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
 from lkcnn.training.callbacks.kernel_timing import KernelTimingCallback
 from lkcnn.training.callbacks.throughput import ThroughputCallback
-from lkcnn.training.module import AUTO_COMPILE_MODE, auto_compile_mode
+from lkcnn.compile import AUTO_COMPILE_MODE
+from lkcnn.training.module import auto_compile_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_app", ROOT / "train.py")

@@ -8,10 +8,11 @@ around the kernels, such as inductor's settings, before a whole-network run conf
 
 A unit is a stage's shortest repeating run of blocks of the same structure (RepLKNet: a RepLK block and its ConvFFN;
 UniRepLKNet-B's third stage: a 13x13 block and two 3x3 ones; ConvNeXt: one block). Each runs as `lkcnn.bench e2e`'s
-step does: channels_last, bf16 autocast, `torch.compile(mode="reduce-overhead")`, forward and backward (no
-optimizer), on an input of the shape and dtype the whole network hands that stage, with a mean-square loss. The stems,
-downsampling layers and head are left out. Each `--inductor` value (comma-separated settings of
-`torch._inductor.config`) is one more variant, run after inductor's defaults. The unit's own kernels ("blocks" in the
+step does: channels_last, bf16 autocast, compiled as the training app compiles (`lkcnn.compile`: reduce-overhead and
+lkcnn's inductor settings), forward and backward (no optimizer), on an input of the shape and dtype the whole network
+hands that stage, with a mean-square loss. The stems, downsampling layers and head are left out. Each `--inductor`
+value (comma-separated settings of `torch._inductor.config`) is one more variant, those settings over lkcnn's, run
+after lkcnn's own (`--inductor realize_reads_threshold=4` is inductor's default). The unit's own kernels ("blocks" in the
 table) leave out two costs of running it alone: its loss (eager PyTorch kernels, "other") and the CUDA graph's copy of
 its input (a foreach copy, which the profile files under "optimizer"); inside the whole network neither exists.
 """
@@ -30,10 +31,11 @@ from torch import nn
 from lkcnn.bench.e2e import COMPILE_MODE, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.compile import compile_model
 from lkcnn.errors import UserError
 from lkcnn.ops import set_conv_impl
 
-DEFAULT = "inductor defaults"
+DEFAULT = "lkcnn's compile settings"  # lkcnn.compile: inductor's defaults and INDUCTOR_SETTINGS
 INDUCTOR = ELEMENTWISE[1]
 HARNESS = (OTHER, "optimizer")  # a unit's loss and the CUDA graph's input copy: not the blocks' work (module doc)
 
@@ -97,25 +99,23 @@ def stage_units(model: nn.Module, image: int = 224) -> list[dict[str, Any]]:
 def unit_report(unit: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, batch: int, steps: int,
                 settings: dict[str, Any]) -> dict[str, Any]:
     """GPU ms per training step of one unit by category (torch.profiler over `steps` steps after the warm-up that
-    compiles it under the inductor `settings`)."""
-    import torch._inductor.config as inductor_config
-
+    compiles it as the training app compiles, the inductor `settings` over lkcnn's)."""
     unit = unit.cuda().train().to(memory_format=torch.channels_last)
-    compiled = torch.compile(unit, mode=COMPILE_MODE)
+    compile_model(unit, COMPILE_MODE, settings)
     x = torch.randn(batch, *shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
 
     def step() -> None:
         unit.zero_grad(set_to_none=True)  # the gradients are CUDA-graph outputs: never accumulated into
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(x).float().square().mean()
+            loss = unit(x).float().square().mean()
         loss.backward()
-    with inductor_config.patch(settings):  # the settings hold while the warm-up compiles
-        for _ in range(3):
-            step()
-    for _ in range(3):
+    for _ in range(6):  # the first 3 compile
         step()
     kernels = profile_kernels(step, steps)
-    del compiled, x
+    # the unit's blocks are the network's, used again by the next variant: drop the gradients, which live in the
+    # CUDA graphs' pool that release() frees (moving them later fails with "invalid argument")
+    unit.zero_grad(set_to_none=True)
+    del x
     release()
     return {"gpu_ms_by_category": by_category(kernels, steps),
             "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps}

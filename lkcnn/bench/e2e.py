@@ -28,8 +28,9 @@ from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registe
 from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
 from lkcnn.ops import set_branch_kernels, set_conv_impl, use_conv_impl
+from lkcnn.compile import AUTO_COMPILE_MODE, compile_model
 
-COMPILE_MODE = "reduce-overhead"  # the training app's module.compile=auto on a GPU
+COMPILE_MODE = AUTO_COMPILE_MODE  # the training app's module.compile=auto on a GPU
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
 VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "cuda": ("lkcnn kernels, every depthwise conv", "cuda", {}),
@@ -61,8 +62,8 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     model = timm.create_model(name, **model_kwargs).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if compile:  # in place, as the training app compiles; the warm-up steps absorb the compilation
-        model.compile(mode=None if compile == "default" else compile)
+    if compile:  # in place, as the training app compiles (peers too); the warm-up steps absorb the compilation
+        compile_model(model, compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=cuda_graph)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     if channels_last:

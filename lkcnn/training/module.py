@@ -24,6 +24,7 @@ from timm.scheduler.scheduler import Scheduler
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from lkcnn.compile import AUTO_COMPILE_MODE, compile_model
 from lkcnn.ops.sync_batchnorm import DEFAULT_EXCHANGE_TIMEOUT_S, check_nvlink_exchange
 
 from .distributed import compile_as_one_graph_under_ddp, configure_sync_bn_exchange, use_nvlink_exchange
@@ -34,10 +35,6 @@ from .seeding import reseed_globals
 
 # the EMA copy is in eval mode on purpose (it is never trained); Lightning would warn about it at every fit
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-
-# module.compile=auto on a GPU: CUDA graphs take the host's launch time out of the step; eager, RepLKNet-31B's step
-# waits on the host (docs/performance.md, end to end)
-AUTO_COMPILE_MODE = "reduce-overhead"
 
 
 def auto_compile_mode(device_type: str, callbacks: list[L.Callback]) -> tuple[str | None, str]:
@@ -126,8 +123,8 @@ class ClassificationModule(L.LightningModule):
         compile_as_one_graph_under_ddp()
         mode = "default" if compile is True else str(compile)
         try:  # in place: state_dict keys stay model.<official keys>
-            self.model.compile(mode=None if mode == "default" else mode)
-        except RuntimeError as err:  # torch.compile checks the mode when it is called
+            compile_model(self.model, mode)
+        except RuntimeError as err:  # an unknown mode
             raise ConfigError(f"module.compile={compile!r}: {err} (or true for the default mode, false for eager)") \
                 from err
         self.compile_mode = mode

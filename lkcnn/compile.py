@@ -1,0 +1,38 @@
+"""How lkcnn compiles a network for training: a torch.compile mode plus the inductor settings measured to pay.
+
+One home for the training app (`module.compile`) and the benchmarks that stand in for it (`lkcnn.bench e2e`,
+`lkcnn.bench blocks`), so that what is measured is what trains. Beside lkcnn.timing and lkcnn.errors: a utility of
+the entry points and of lkcnn.training, which the benchmarks use without importing Lightning.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# module.compile=auto on a GPU: CUDA graphs take the host's launch time out of the step; eager, RepLKNet-31B's step
+# waits on the host (docs/performance.md, end to end)
+AUTO_COMPILE_MODE = "reduce-overhead"
+
+# Inductor stores a pointwise result that several kernels read once it reads more than `realize_reads_threshold`
+# (4) inputs. A training-mode BatchNorm's output, (x - mean) * rstd * weight + bias, reads 5, so where the backward
+# recomputes it for a GELU's gradient (RepLKNet's FFN) inductor wrote it out in fp32 and read it back twice: three
+# passes of twice the bytes of its bf16 input, which the readers can recompute from that input instead. 5 lets
+# them: RepLKNet-31B's compiled step +3.2% images/s on an H200 (docs/performance.md, levers).
+INDUCTOR_SETTINGS: dict[str, Any] = {"realize_reads_threshold": 5}
+
+
+def compile_options(mode: str) -> dict[str, Any]:
+    """torch.compile options for `mode` ("default", "reduce-overhead", ...) with lkcnn's INDUCTOR_SETTINGS on top
+    (torch.compile takes a mode or options, not both). RuntimeError names the modes for an unknown one."""
+    from torch._inductor import list_mode_options  # (imported here: inductor loads only when compiling)
+
+    return {**(list_mode_options(mode) if mode != "default" else {}), **INDUCTOR_SETTINGS}
+
+
+def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None = None) -> None:
+    """torch.compile `model` in place (state_dict keys unchanged) in `mode` with lkcnn's settings, and `settings`
+    (inductor config keys) over them."""
+    model.compile(options={**compile_options(mode), **(settings or {})})
+

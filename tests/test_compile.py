@@ -1,0 +1,39 @@
+"""lkcnn.compile: the options torch.compile gets, and what lkcnn's inductor settings change in a compiled backward
+(inductor on the CPU; the measured speed-up is a GPU benchmark, docs/performance.md)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options
+from lkcnn.layers.blocks import ConvFFN
+
+
+def test_options_are_the_mode_and_lkcnn_settings():
+    assert compile_options("reduce-overhead") == {"triton.cudagraphs": True, **INDUCTOR_SETTINGS}
+    assert compile_options("default") == INDUCTOR_SETTINGS
+    with pytest.raises(RuntimeError, match="reduce-overhead"):
+        compile_options("fast")
+
+
+def _hidden_buffers_in_backward(settings: dict) -> int:
+    """Buffers of the FFN's hidden size that the compiled backward of a RepLKNet ConvFFN allocates."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ffn = ConvFFN(8, 32).to(memory_format=torch.channels_last)
+    compile_model(ffn, "default", settings)
+    x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
+    _, codes = run_and_get_code(lambda: ffn(x).square().mean().backward())
+    torch._dynamo.reset()
+    return len(re.findall(r"empty_strided_\w+\(\(2, 32, 6, 6\)", codes[-1]))
+
+
+def test_backward_recomputes_the_batchnorm_output_instead_of_storing_it():
+    """Inductor's default (realize_reads_threshold=4) writes the pw1 BatchNorm's output, read again by the GELU's
+    and the BatchNorm's gradients; lkcnn's settings let those kernels recompute it from the convolution's output."""
+    stored = _hidden_buffers_in_backward({"realize_reads_threshold": 4})
+    assert stored >= 1
+    assert _hidden_buffers_in_backward({}) < stored
