@@ -19,7 +19,8 @@ AUTO_COMPILE_MODE = "reduce-overhead"
 # (4) inputs. A training-mode BatchNorm's output, (x - mean) * rstd * weight + bias, reads 5, so where the backward
 # recomputes it for a GELU's gradient (RepLKNet's FFN) inductor wrote it out in fp32 and read it back twice: three
 # passes of twice the bytes of its bf16 input, which the readers can recompute from that input instead. 5 lets
-# them: RepLKNet-31B's compiled step +3.2% images/s on an H200 (docs/performance.md, levers).
+# them: RepLKNet-31B's compiled step +3.2% images/s on an H200 (docs/performance.md, "The current code against
+# ConvNeXt-B").
 INDUCTOR_SETTINGS: dict[str, Any] = {"realize_reads_threshold": 5}
 
 
@@ -35,4 +36,3 @@ def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None =
     """torch.compile `model` in place (state_dict keys unchanged) in `mode` with lkcnn's settings, and `settings`
     (inductor config keys) over them."""
     model.compile(options={**compile_options(mode), **(settings or {})})
-

@@ -24,11 +24,11 @@ from torch import nn
 from lkcnn import timing
 from lkcnn.bench.profile import by_category, kernel_table, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.compile import AUTO_COMPILE_MODE, compile_model
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
 from lkcnn.ops import set_branch_kernels, set_conv_impl, use_conv_impl
-from lkcnn.compile import AUTO_COMPILE_MODE, compile_model
 
 COMPILE_MODE = AUTO_COMPILE_MODE  # the training app's module.compile=auto on a GPU
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
@@ -362,7 +362,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", nargs="?", const=COMPILE_MODE, default=None, metavar="MODE",
                         help=f"torch.compile the model in this mode (alone: {COMPILE_MODE}, as the training app "
-                             "compiles on a GPU; 'default' for torch's default mode); use --warmup 3 or more")
+                             "compiles on a GPU; 'default' for torch's default mode) with lkcnn's inductor settings "
+                             "(lkcnn.compile), every network alike; use --warmup 3 or more")
     parser.add_argument("--compare", metavar="PEER", default=None,
                         help="the comparison table: each --models network as users run it (default dispatch), its "
                              "3x3 twin and the timm network PEER, images/s, ratios and GPU ms per step by category; "
