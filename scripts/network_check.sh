@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for whole-network training speed: build the CUDA extension, the GPU tests of the ops
+# the networks run, each stage's blocks (`lkcnn.bench blocks`), and optionally the compiled networks against timm's
+# ConvNeXt-B (`lkcnn.bench e2e --compare`, ~8 minutes cold: a call of its own). Logs and records go to $OUT; the
+# short tables print last.
+# Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
+#   bash scripts/network_check.sh                                   # tests, then blocks of RepLKNet-31B, UniRepLKNet-B
+#   BLOCKS="--models replknet31b --inductor realize_reads_threshold=4" bash scripts/network_check.sh
+#   TESTS= BLOCKS= COMPARE="--models replknet31b,unireplknet_b" bash scripts/network_check.sh
+set -uo pipefail
+OUT=${OUT:-$(mktemp -d)}
+PY=${PYTHON:-python3}
+TESTS=${TESTS-1}
+BLOCKS=${BLOCKS-"--models replknet31b,unireplknet_b"}
+COMPARE=${COMPARE-}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.gpu/inductor}
+t0=$(date +%s)
+since() { echo "$(( $(date +%s) - t0 )) s"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+if ! $PY -m lkcnn.ops.build >"$OUT/build.log" 2>&1; then tail -20 "$OUT/build.log"; exit 1; fi
+echo "== build: $(tail -1 "$OUT/build.log" | cut -c1-100), $(since)"
+if [ -n "$TESTS" ]; then
+  $PY -m pytest -q tests/test_ops_gpu.py tests/test_ops_branches_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  echo "== gpu tests (rc=$?), $(since):"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/tests.log" | tail -15
+fi
+if [ -n "$BLOCKS" ]; then
+  # shellcheck disable=SC2086  # BLOCKS holds several arguments
+  $PY -m lkcnn.bench blocks $BLOCKS --json "$OUT/blocks.json" >"$OUT/blocks.log" 2>&1
+  echo "== blocks (rc=$?), $(since):"; grep -v -E "^\s*$|UserWarning|_warn_once" "$OUT/blocks.log" | tail -12
+fi
+if [ -n "$COMPARE" ]; then
+  # shellcheck disable=SC2086
+  $PY -m lkcnn.bench e2e $COMPARE --compare convnext_base --compile --steps 30 --warmup 6 --json "$OUT/compare.json" \
+    >"$OUT/compare.log" 2>&1
+  echo "== compare (rc=$?), $(since):"; grep -v -E "UserWarning|_warn_once" "$OUT/compare.log" | tail -20
+fi
