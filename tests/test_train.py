@@ -16,11 +16,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lkcnn.compile import AUTO_COMPILE_MODE, compile_options
 from lkcnn.ops import conv_impl, dwconv
 from lkcnn.training import ClassificationModule, ConfigError, PathNotFoundError, build_model, resolve_ckpt_path
 from lkcnn.training.callbacks.kernel_timing import KernelTimingCallback
 from lkcnn.training.callbacks.throughput import ThroughputCallback
-from lkcnn.compile import AUTO_COMPILE_MODE
 from lkcnn.training.module import auto_compile_mode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,13 @@ def test_compile_keeps_the_state_dict_keys(tmp_path):
     compiled.teardown("fit")  # frees CUDA graphs where there are any; none here
     with pytest.raises(ConfigError, match=r"module.compile='fast'.*reduce-overhead"):
         ClassificationModule(dict(cfg.model), dict(cfg.optim), compile="fast")  # a mode torch.compile lacks
+
+
+def test_compile_takes_lkcnns_inductor_settings(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
+    instantiate(make_cfg(tmp_path, *tiny("replknet_tiny")).module, compile="reduce-overhead")
+    assert seen == [{"options": compile_options("reduce-overhead")}]  # the mode's options and INDUCTOR_SETTINGS
 
 
 def test_auto_compile_compiles_on_a_gpu_unless_a_callback_times_modules(tmp_path):
