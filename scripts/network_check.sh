@@ -4,14 +4,14 @@
 # ConvNeXt-B (`lkcnn.bench e2e --compare`, ~8 minutes cold: a call of its own). Logs and records go to $OUT; the
 # short tables print last.
 # Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
-#   bash scripts/network_check.sh                                   # tests, then blocks of RepLKNet-31B, UniRepLKNet-B
+#   bash scripts/network_check.sh                # tests, then blocks (and longest kernels) of RepLKNet-31B, UniRepLKNet-B
 #   BLOCKS="--models replknet31b --inductor realize_reads_threshold=4" bash scripts/network_check.sh
 #   TESTS= BLOCKS= COMPARE="--models replknet31b,unireplknet_b" bash scripts/network_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
 TESTS=${TESTS-1}
-BLOCKS=${BLOCKS-"--models replknet31b,unireplknet_b"}
+BLOCKS=${BLOCKS-"--models replknet31b,unireplknet_b --kernels 8"}
 COMPARE=${COMPARE-}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
@@ -29,7 +29,7 @@ fi
 if [ -n "$BLOCKS" ]; then
   # shellcheck disable=SC2086  # BLOCKS holds several arguments
   $PY -m lkcnn.bench blocks $BLOCKS --json "$OUT/blocks.json" >"$OUT/blocks.log" 2>&1
-  echo "== blocks (rc=$?), $(since):"; grep -v -E "^\s*$|UserWarning|_warn_once" "$OUT/blocks.log" | tail -12
+  echo "== blocks (rc=$?), $(since):"; grep -v -E "^\s*$|UserWarning|_warn_once" "$OUT/blocks.log" | head -80
 fi
 if [ -n "$COMPARE" ]; then
   # shellcheck disable=SC2086

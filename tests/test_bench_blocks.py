@@ -2,6 +2,8 @@
 the units' reports times their counts, and the command's mistakes end in one line. The timings need a GPU."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import timm
 import torch
@@ -42,10 +44,10 @@ def test_a_network_without_stages_is_named():
 def test_step_time_is_the_units_times_their_counts(monkeypatch):
     busy = {128: 1.0, 256: 2.0, 512: 0.5, 1024: 4.0}  # per unit, by the stage's channels
 
-    def fake_report(unit, shape, dtype, batch, steps, settings):
+    def fake_report(unit, shape, dtype, batch, steps, settings, top):
         ms = busy[shape[0]] * (2 if settings else 1)
         categories = {blocks.INDUCTOR: ms / 2, "GEMM (1x1 convs, head)": ms / 2, "optimizer": 0.25, blocks.OTHER: 0.5}
-        return {"gpu_ms_by_category": categories, "gpu_busy_ms": ms + 0.75}
+        return {"gpu_ms_by_category": categories, "gpu_busy_ms": ms + 0.75, "kernels": []}
     monkeypatch.setattr(blocks, "unit_report", fake_report)
     monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
     variants = {blocks.DEFAULT: {}, "combo_kernels=True": {"combo_kernels": True}}
@@ -61,6 +63,22 @@ def test_step_time_is_the_units_times_their_counts(monkeypatch):
     assert lines[2].split()[1:8] == ["lkcnn's", "compile", "settings", f"{want:.2f}", f"{want / 2:.2f}", "1.000",
                                      f"{want + 18:.2f}"]
     assert lines[3].split()[1:5] == ["combo_kernels=True", f"{2 * want:.2f}", f"{want:.2f}", "2.000"]
+
+
+def test_longest_kernels_are_listed_per_unit_step():
+    events = [SimpleNamespace(key=name, self_device_time_total=us, count=n) for name, us, n in [
+        ("triton_red_fused__native_batch_norm_legit_functional_0", 651.0, 70),
+        ("nvjet_sm90_tst_128x192_64x5_2x1_v_bz_coopB_NNN", 619.0, 30),
+        ("void lkcnn::(anonymous namespace)::transpose_kernel<c10::BFloat16, 2>", 444.0, 40)]]
+    top = blocks.top_kernels(events, steps=10, n=2)
+    assert [(k["us"], k["launches"], k["category"]) for k in top] == [
+        (65.1, 7, blocks.INDUCTOR), (61.9, 3, "GEMM (1x1 convs, head)")]
+    rows = [{"network": "replknet31b", "variant": blocks.DEFAULT, "stages": [
+        {"stage": 2, "kinds": ["RepLKBlock", "ConvFFN"], "shape": [512, 14, 14], "kernels": top},
+        {"stage": 3, "kinds": ["RepLKBlock", "ConvFFN"], "shape": [1024, 7, 7], "kernels": []}]}]
+    lines = blocks.kernel_lines(rows).splitlines()
+    assert len(lines) == 3 and "stage 2 (RepLKBlock+ConvFFN, [512, 14, 14])" in lines[0]
+    assert lines[1].split()[:2] == ["65.1", "7x"] and lines[1].endswith("_native_batch_norm_legit_functional_0")
 
 
 def test_settings_are_inductors():

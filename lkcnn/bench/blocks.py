@@ -5,6 +5,7 @@ around the kernels, such as inductor's settings, before a whole-network run conf
 
     python -m lkcnn.bench blocks [--models replknet31b,convnext_base] [--batch 64] [--json FILE]
     python -m lkcnn.bench blocks --inductor combo_kernels=True --inductor triton.tile_reductions=True
+    python -m lkcnn.bench blocks --models replknet31b --kernels 12   # and each unit's 12 longest kernels
 
 A unit is a stage's shortest repeating run of blocks of the same structure (RepLKNet: a RepLK block and its ConvFFN;
 UniRepLKNet-B's third stage: a 13x13 block and two 3x3 ones; ConvNeXt: one block). Each runs as `lkcnn.bench e2e`'s
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from lkcnn.bench.e2e import COMPILE_MODE, release
-from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, profile_kernels
+from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.compile import compile_model
 from lkcnn.errors import UserError
@@ -96,10 +97,17 @@ def stage_units(model: nn.Module, image: int = 224) -> list[dict[str, Any]]:
     return units
 
 
+def top_kernels(kernels, steps: int, n: int) -> list[dict[str, Any]]:
+    """The first `n` of profile_kernels' rows (the longest first): name, category, GPU us and launches per step."""
+    return [{"kernel": e.key, "category": category(e.key), "us": e.self_device_time_total / steps,
+             "launches": e.count / steps} for e in kernels[:n]]
+
+
 def unit_report(unit: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, batch: int, steps: int,
-                settings: dict[str, Any]) -> dict[str, Any]:
+                settings: dict[str, Any], top: int = 0) -> dict[str, Any]:
     """GPU ms per training step of one unit by category (torch.profiler over `steps` steps after the warm-up that
-    compiles it as the training app compiles, the inductor `settings` over lkcnn's)."""
+    compiles it as the training app compiles, the inductor `settings` over lkcnn's), and its `top` longest
+    kernels."""
     unit = unit.cuda().train().to(memory_format=torch.channels_last)
     compile_model(unit, COMPILE_MODE, settings)
     x = torch.randn(batch, *shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
@@ -118,19 +126,21 @@ def unit_report(unit: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, bat
     del x
     release()
     return {"gpu_ms_by_category": by_category(kernels, steps),
-            "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps}
+            "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            "kernels": top_kernels(kernels, steps, top)}
 
 
-def network_rows(name: str, batch: int, steps: int, variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per variant of network `name`: per stage the unit's report, and the step's block time (each
-    category summed over the stages, times their unit counts)."""
+def network_rows(name: str, batch: int, steps: int, variants: dict[str, dict[str, Any]],
+                 top: int = 0) -> list[dict[str, Any]]:
+    """One row per variant of network `name`: per stage the unit's report (with its `top` longest kernels), and
+    the step's block time (each category summed over the stages, times their unit counts)."""
     model = timm.create_model(name).cuda()
     units = stage_units(model)
     rows = []
     for label, settings in variants.items():
         stages, total = [], {}
         for u in units:
-            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps, settings)
+            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps, settings, top)
             stages.append({"stage": u["stage"], "kinds": u["kinds"], "units": u["count"], "shape": list(u["shape"]),
                            "dtype": str(u["dtype"]).removeprefix("torch."), **report})
             for category, ms in report["gpu_ms_by_category"].items():
@@ -164,6 +174,19 @@ def table(rows: list[dict[str, Any]], batch: int, device: str) -> str:
     return "\n".join(lines)
 
 
+def kernel_lines(rows: list[dict[str, Any]]) -> str:
+    """Per network, variant and stage: the unit's longest kernels as the report kept them (--kernels)."""
+    lines = []
+    for row in rows:
+        for stage in row["stages"]:
+            if stage.get("kernels"):
+                lines.append(f"{row['network']}, {row['variant']}, stage {stage['stage']} "
+                             f"({'+'.join(stage['kinds'])}, {stage['shape']}): GPU us per unit step")
+                lines += [f"  {k['us']:8.1f} {k['launches']:4.0f}x  {k['category'][:24]:24s} {k['kernel'][:110]}"
+                          for k in stage["kernels"]]
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lkcnn-bench blocks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=10, help="profiled steps per unit, after the warm-up")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE[,...]",
                         help="one more variant: these torch._inductor.config settings (repeatable)")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list each unit's N longest kernels (in the record too): where to read inductor's "
+                             "generated code next (TORCH_LOGS=output_code)")
     parser.add_argument("--json", default="", help="write a train_blocks benchmark record here")
     return parser
 
@@ -193,10 +219,13 @@ def main(argv: Sequence[str]) -> None:
         sys.exit("lkcnn-bench blocks: no CUDA device is visible; it times training steps on a GPU")
     set_conv_impl("auto")  # the default dispatch, as users train
     try:
-        rows = [row for name in args.models for row in network_rows(name, args.batch, args.steps, variants)]
+        rows = [row for name in args.models
+                for row in network_rows(name, args.batch, args.steps, variants, args.kernels)]
     except UserError as err:
         sys.exit(f"lkcnn-bench blocks: {err}")
     print(table(rows, args.batch, torch.cuda.get_device_name()))
+    if args.kernels:
+        print(kernel_lines(rows))
     if args.json:
         method = {"timer": "torch.profiler kernel times over --steps steps after 6 warm-up steps (3 compiling)",
                   "units": "GPU ms per training step (forward + backward, no optimizer) of each stage's unit, and "
