@@ -6,6 +6,7 @@ the entry points and of lkcnn.training, which the benchmarks use without importi
 """
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 import torch
@@ -36,3 +37,23 @@ def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None =
     """torch.compile `model` in place (state_dict keys unchanged) in `mode` with lkcnn's settings, and `settings`
     (inductor config keys) over them."""
     model.compile(options={**compile_options(mode), **(settings or {})})
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """`key=value,...` as `torch._inductor.config` settings (the benchmarks' `--inductor`); values are Python
+    literals (`True`, `1`) or strings. ValueError names the first key inductor does not have or an item without `=`."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    settings: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not key=value")
+        if key not in known:
+            raise ValueError(f"torch {torch.__version__} has no inductor setting {key!r}")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return settings

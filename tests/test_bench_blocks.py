@@ -81,15 +81,6 @@ def test_longest_kernels_are_listed_per_unit_step():
     assert lines[1].split()[:2] == ["65.1", "7x"] and lines[1].endswith("_native_batch_norm_legit_functional_0")
 
 
-def test_settings_are_inductors():
-    assert blocks.parse_settings("combo_kernels=True, split_reductions=False") == {
-        "combo_kernels": True, "split_reductions": False}
-    with pytest.raises(ValueError, match="no inductor setting 'combo_kernel'"):
-        blocks.parse_settings("combo_kernel=True")
-    with pytest.raises(ValueError, match="not key=value"):
-        blocks.parse_settings("combo_kernels")
-
-
 @pytest.mark.parametrize("argv,message", [(["--inductor", "nonsense=1"], "no inductor setting 'nonsense'"),
                                           (["--models", "replknet99"], "not timm model names"),
                                           ([], "no CUDA device is visible")])

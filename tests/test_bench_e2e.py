@@ -105,6 +105,33 @@ def test_the_cudnn_small_branch_variant_turns_only_the_branch_kernels_off(monkey
     assert calls == [("conv", "auto"), ("branches", True), ("conv", "auto"), ("branches", False)]
 
 
+def test_inductor_settings_reach_the_compile_and_the_record(monkeypatch, capsys):
+    """`--inductor` (an A/B of an inductor setting on whole networks): parsed, handed to lkcnn.compile over lkcnn's
+    settings, named in the step's regime; a setting inductor lacks ends in one line."""
+    seen = []
+
+    class Compiled(Exception):
+        pass
+
+    def fake_compile(model, mode, settings=None):
+        seen.append((mode, settings))
+        raise Compiled
+    monkeypatch.setattr(e2e.timm, "create_model", lambda *a, **k: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(e2e, "compile_model", fake_compile)
+    with pytest.raises(Compiled):
+        e2e.setup("replknet31b", "auto", batch=2, channels_last=True, compile="reduce-overhead",
+                  inductor={"combo_kernels": True})
+    assert seen == [("reduce-overhead", {"combo_kernels": True})]
+    args = argparse.Namespace(compile="reduce-overhead", channels_last=True, cuda_graph=False,
+                              inductor={"combo_kernels": True})
+    assert e2e.regime(args) == "compiled (reduce-overhead, combo_kernels=True), channels_last"
+    with pytest.raises(SystemExit):
+        e2e.main(["--compile", "--inductor", "combo_kernel=True"])
+    err = capsys.readouterr().err
+    assert "--inductor: torch" in err and "no inductor setting 'combo_kernel'" in err and "Traceback" not in err
+
+
 def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
     """A compiled variant takes minutes: its images/s is printed when it finishes, so a later variant that fails (or
     a GPU call's time limit) does not take the earlier results with it."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options
+from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options, parse_settings
 from lkcnn.layers.blocks import ConvFFN
 
 
@@ -37,3 +37,12 @@ def test_backward_recomputes_the_batchnorm_output_instead_of_storing_it():
     stored = _hidden_buffers_in_backward({"realize_reads_threshold": 4})
     assert stored >= 1
     assert _hidden_buffers_in_backward({}) < stored
+
+
+def test_settings_are_inductors():
+    assert parse_settings("combo_kernels=True, split_reductions=False") == {
+        "combo_kernels": True, "split_reductions": False}
+    with pytest.raises(ValueError, match="no inductor setting 'combo_kernel'"):
+        parse_settings("combo_kernel=True")
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_settings("combo_kernels")

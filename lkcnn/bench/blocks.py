@@ -20,7 +20,6 @@ its input (a foreach copy, which the profile files under "optimizer"); inside th
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -32,33 +31,13 @@ from torch import nn
 from lkcnn.bench.e2e import COMPILE_MODE, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import compile_model
+from lkcnn.compile import compile_model, parse_settings
 from lkcnn.errors import UserError
 from lkcnn.ops import set_conv_impl
 
 DEFAULT = "lkcnn's compile settings"  # lkcnn.compile: inductor's defaults and INDUCTOR_SETTINGS
 INDUCTOR = ELEMENTWISE[1]
 HARNESS = (OTHER, "optimizer")  # a unit's loss and the CUDA graph's input copy: not the blocks' work (module doc)
-
-
-def parse_settings(text: str) -> dict[str, Any]:
-    """`key=value,...` as `torch._inductor.config` settings; values are Python literals (`True`, `1`) or strings.
-    ValueError names the first key inductor does not have or an item without `=`."""
-    import torch._inductor.config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    settings: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{item!r} is not key=value")
-        if key not in known:
-            raise ValueError(f"torch {torch.__version__} has no inductor setting {key!r}")
-        try:
-            settings[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            settings[key] = value
-    return settings
 
 
 def period(kinds: Sequence[str]) -> int:

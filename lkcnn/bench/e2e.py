@@ -7,6 +7,7 @@ The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydr
                               [--compile] [--cuda-graph] [--repeat 3] [--json FILE]
     python -m lkcnn.bench e2e --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
     python -m lkcnn.bench e2e --compare convnext_base [--json FILE]   # compiled: vs the peer and the 3x3 twin
+    python -m lkcnn.bench e2e --runs auto --compile --channels-last --inductor realize_reads_threshold=4   # A/B
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 from lkcnn import timing
 from lkcnn.bench.profile import by_category, kernel_table, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import AUTO_COMPILE_MODE, compile_model
+from lkcnn.compile import AUTO_COMPILE_MODE, compile_model, parse_settings
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
@@ -50,9 +51,10 @@ Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation[:flag..
 
 # ----------------------------------------------------------------------------------------------- one variant
 def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | None, cuda_graph: bool = False,
-          **model_kwargs) -> tuple[Callable[[], None], tuple]:
+          inductor: dict[str, Any] | None = None, **model_kwargs) -> tuple[Callable[[], None], tuple]:
     """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast; `compile` a
-    torch.compile mode ("default" for torch's) or None for eager. With cuda_graph, the whole step (forward, backward,
+    torch.compile mode ("default" for torch's) or None for eager, with lkcnn.compile's settings and `inductor`'s
+    over them. With cuda_graph, the whole step (forward, backward,
     optimizer) is captured once and each step replays it: no host time per step, so the GPU's own time per step is
     what is measured."""
     conv, *flags = impl.split(":")
@@ -63,7 +65,7 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if compile:  # in place, as the training app compiles (peers too); the warm-up steps absorb the compilation
-        compile_model(model, compile)
+        compile_model(model, compile, inductor)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=cuda_graph)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     if channels_last:
@@ -93,9 +95,9 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
 
 
 def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
-                 cuda_graph: bool = False, **model_kwargs) -> float:
+                 cuda_graph: bool = False, inductor: dict[str, Any] | None = None, **model_kwargs) -> float:
     """Training images/s of one variant: wall time of `steps` steps after `warmup`, the GPU synchronized."""
-    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
     step_ms = timing.mean_ms(step, steps, warmup, wall=True)
     del step, state
     release()
@@ -110,10 +112,11 @@ def release() -> None:
 
 
 def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
-                cuda_graph: bool = False, profile_steps: int = 5, **model_kwargs) -> dict[str, Any]:
+                cuda_graph: bool = False, profile_steps: int = 5, inductor: dict[str, Any] | None = None,
+                **model_kwargs) -> dict[str, Any]:
     """One variant from one setup (a compiled one compiles once): its images/s (wall time of `steps` steps after
     `warmup`) and its GPU time per step by cost category over `profile_steps` more steps under torch.profiler."""
-    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
     step_ms = timing.mean_ms(step, steps, warmup, wall=True)
     kernels = profile_kernels(step, profile_steps)
     del step, state
@@ -124,13 +127,14 @@ def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, chann
 
 
 def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
-                   cuda_graph: bool = False, top: int = 30, **model_kwargs) -> str:
+                   cuda_graph: bool = False, top: int = 30, inductor: dict[str, Any] | None = None,
+                   **model_kwargs) -> str:
     """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first) and per
     cost category (`lkcnn.bench.profile.CATEGORIES`), and the GPU's busy time per step against the wall time per step
     (a gap is host time the GPU waits for)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
     for _ in range(warmup):
         step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -315,8 +319,10 @@ def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def regime(args: argparse.Namespace) -> str:
-    """The step's mode as one phrase: compiled, channels_last, CUDA graph, or eager."""
-    modes = [name for name, on in ((f"compiled ({args.compile})", args.compile), ("channels_last", args.channels_last),
+    """The step's mode as one phrase: compiled (with any --inductor settings), channels_last, CUDA graph, or eager."""
+    settings = ", ".join(f"{k}={v}" for k, v in (getattr(args, "inductor", None) or {}).items())
+    compiled = f"compiled ({args.compile}{', ' + settings if settings else ''})"
+    modes = [name for name, on in ((compiled, args.compile), ("channels_last", args.channels_last),
                                    ("CUDA graph", args.cuda_graph)) if on]
     return ", ".join(modes) or "eager"
 
@@ -368,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the comparison table: each --models network as users run it (default dispatch), its "
                              "3x3 twin and the timm network PEER, images/s, ratios and GPU ms per step by category; "
                              "compiled and channels_last unless --compile/--channels-last say otherwise")
+    parser.add_argument("--inductor", default="", metavar="KEY=VALUE[,...]",
+                        help="torch._inductor.config settings over lkcnn's for every compiled network of this run "
+                             "(an A/B is two runs in one call: realize_reads_threshold=4 is inductor's default)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of all variants; medians are printed")
     parser.add_argument("--json", default="", help="write a train_e2e benchmark record here")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=list(VARIANTS),
@@ -390,12 +399,16 @@ def main(argv: Sequence[str]) -> None:
         parser.error(f"--models: {missing} are not timm model names")
     if args.compare and not timm.is_model(args.compare):
         parser.error(f"--compare: {args.compare!r} is not a timm model name")
+    try:
+        args.inductor = parse_settings(args.inductor)
+    except ValueError as err:
+        parser.error(f"--inductor: {err}")
     if not torch.cuda.is_available():
         sys.exit("lkcnn-bench e2e: no CUDA device is visible; it times training steps on a GPU")
     if args.compare:
         args.compile, args.channels_last = args.compile or COMPILE_MODE, True
         rows = compare(args.models, args.compare, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                       compile=args.compile)
+                       compile=args.compile, inductor=args.inductor)
         args.copy_gbps = copy_bandwidth_gbps()
         print(compare_table(rows, args))
         if args.json:
@@ -411,7 +424,7 @@ def main(argv: Sequence[str]) -> None:
         return
     variants = jobs(args.models, args.runs)
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
-                  compile=args.compile, cuda_graph=args.cuda_graph)
+                  compile=args.compile, cuda_graph=args.cuda_graph, inductor=args.inductor)
     if args.profile:
         for label, (model, impl, kwargs) in variants.items():
             print(f"== {label}")
