@@ -21,8 +21,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     from hydra.core.hydra_config import HydraConfig
 
     from lkcnn.training import SyncBatchNormPlugin, resolve_ckpt_path
-    from lkcnn.training.console import quiet_known_noise
     from lkcnn.training.callbacks.run_summary import RunSummary
+    from lkcnn.training.console import quiet_known_noise
+    from lkcnn.training.resume import resume_note
 
     quiet_known_noise()
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here
@@ -38,12 +39,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.trainer.get("limit_val_batches") == 0:  # a training-speed run: no val/ metric for a callback to watch
         callbacks = [c for c in callbacks if not str(getattr(c, "monitor", None) or "").startswith("val")]
     choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
-    callbacks.append(RunSummary(choices, cfg.paths.output_dir))  # always: what the run does, before its first step
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir, module.model)
+    # always: what the run does, before its first step
+    callbacks.append(RunSummary(choices, cfg.paths.output_dir, resume_note(ckpt_path, cfg.paths.output_dir)))
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     # sync_batchnorm: lkcnn's SyncBatchNorm, which (unlike torch.nn.SyncBatchNorm) does not stall the CPU per layer
     plugins = {"plugins": [SyncBatchNormPlugin()]} if cfg.trainer.get("sync_batchnorm") else {}
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir, module.model)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     # trainer.limit_val_batches=0 (a training-speed run) validates nothing: no metrics, not an error

@@ -72,6 +72,22 @@ def test_summary_block_before_the_first_step(tmp_path, caplog):
     assert rows["steps"] == "2" and rows["output"] == str(tmp_path / "run")
 
 
+def test_resuming_into_a_new_folder_says_where_the_earlier_best_stays(tmp_path, caplog, recwarn):
+    """Lightning's ModelCheckpoint warns that it drops its best-k state when the folder changes; the summary says
+    what that means for the user's files instead."""
+    train_app.train(make_cfg(tmp_path / "a", tmp_path))  # one epoch, validated: a best checkpoint
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    assert any(p.name.startswith("best-") for p in last.parent.iterdir())
+    caplog.set_level(logging.INFO)
+    train_app.train(make_cfg(tmp_path / "b", tmp_path, "trainer.max_epochs=2", f"ckpt_path={last}"))
+    block = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lkcnn run:")][-1]
+    resume = dict(line.strip().split(None, 1) for line in block.splitlines()[1:])["resume"]
+    assert resume.startswith(str(last)) and f"earlier best stays in {last.parent}" in resume
+    assert f"hydra.run.dir={tmp_path / 'a'}" in resume
+    assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
+    assert (tmp_path / "b" / "checkpoints" / "last.ckpt").exists() and last.exists()  # nothing overwritten
+
+
 def test_cli_prints_lightning_lines_once_without_advertisements(tmp_path):
     result = run_cli(f"hydra.run.dir={tmp_path}", "trainer.fast_dev_run=true")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -6,8 +6,11 @@ import warnings
 
 # Lightning's advertisements for its hosted services, logged at INFO on every run.
 ADVERTISEMENTS = ("💡 Tip:",)
-# Deprecation warnings raised inside Lightning and torch about their own internals: the user can do nothing about them.
-KNOWN_NOISE = (r".*isinstance\(treespec, LeafSpec\)` is deprecated",)
+# Deprecation warnings raised inside Lightning and torch about their own internals, which the user can do nothing
+# about, and warnings the run summary puts in lkcnn's terms.
+KNOWN_NOISE = (r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+               # ModelCheckpoint resumed into a new folder: the run summary's `resume` line says it in lkcnn's terms
+               r"The dirpath has changed from")
 
 
 class _DropAdvertisements(logging.Filter):

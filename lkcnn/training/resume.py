@@ -70,3 +70,17 @@ def mismatch(path: str | Path, model: nn.Module) -> str | None:
             return f"written for {spec['name']} with {', '.join(differ)}"
     bad = sorted(k for k in set(given) | set(expected) if given.get(k) != expected.get(k))
     return f"its weights do not fit this model ({len(bad)} keys differ, e.g. {bad[0]})"
+
+
+def resume_note(ckpt_path: str | None, output_dir: str) -> str | None:
+    """The run summary's `resume` line: what a resumed run takes from its checkpoint, and, when the run writes into
+    another folder than the checkpoint's (Hydra's default: a new folder per run), that best-checkpoint tracking
+    starts over there while the earlier best stays where it was. None for a fresh run."""
+    if ckpt_path is None:
+        return None
+    source = Path(ckpt_path).resolve().parent
+    if source == (Path(output_dir) / "checkpoints").resolve():
+        return f"{ckpt_path} (weights, optimizer, schedule, epoch and step), in its own run folder"
+    run = source.parent if source.name == "checkpoints" else source
+    return (f"{ckpt_path} (weights, optimizer, schedule, epoch and step); the best checkpoint is tracked afresh in "
+            f"this run's folder, the earlier best stays in {source} (hydra.run.dir={run} resumes in that folder)")

@@ -48,16 +48,19 @@ def _duration(seconds: float) -> str:
 
 
 class RunSummary(L.Callback):
-    """Prints one block before the first step: model, data, device and precision, threads and workers, steps, output.
+    """Prints one block before the first step: model, data, device and precision, threads and workers, steps, output
+    and what a resumed run starts from.
 
     Args:
         choices: the config group choices of the run (Hydra's runtime choices: model, data, ...).
         output_dir: the run's folder.
+        resume: the checkpoint a resumed run starts from, as lkcnn.training.resume.resume_note words it.
     """
 
-    def __init__(self, choices: dict[str, Any], output_dir: str) -> None:
+    def __init__(self, choices: dict[str, Any], output_dir: str, resume: str | None = None) -> None:
         self.choices = choices
         self.output_dir = output_dir
+        self.resume = resume
         self._step_ends: list[float] | None = None  # timed on the CPU with a large network only
         self._total_steps = 0
         self._time_first_step = False  # a compiled network: print how long its first step (the compilation) took
@@ -102,6 +105,7 @@ class RunSummary(L.Callback):
             f"  threads    {threads}" + (f", {workers} loader workers" if workers is not None else ""),
             f"  steps      {steps}",
             f"  output     {self.output_dir}",
+            *([f"  resume     {self.resume}"] if self.resume else []),
         ]))
         if device.type == "cpu" and params > CPU_PARAMS_WARN:
             rank_zero_warn(
