@@ -54,9 +54,8 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
           inductor: dict[str, Any] | None = None, **model_kwargs) -> tuple[Callable[[], None], tuple]:
     """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast; `compile` a
     torch.compile mode ("default" for torch's) or None for eager, with lkcnn.compile's settings and `inductor`'s
-    over them. With cuda_graph, the whole step (forward, backward,
-    optimizer) is captured once and each step replays it: no host time per step, so the GPU's own time per step is
-    what is measured."""
+    over them. With cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays
+    it: no host time per step, so the GPU's own time per step is what is measured."""
     conv, *flags = impl.split(":")
     set_conv_impl(conv)
     set_branch_kernels("no_branch_kernels" not in flags)
