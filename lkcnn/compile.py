@@ -30,7 +30,7 @@ def compile_options(mode: str) -> dict[str, Any]:
     (torch.compile takes a mode or options, not both). RuntimeError names the modes for an unknown one."""
     from torch._inductor import list_mode_options  # (imported here: inductor loads only when compiling)
 
-    return {**(list_mode_options(mode) if mode != "default" else {}), **INDUCTOR_SETTINGS}
+    return {**list_mode_options(mode), **INDUCTOR_SETTINGS}
 
 
 def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None = None) -> None:

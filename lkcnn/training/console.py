@@ -9,8 +9,7 @@ ADVERTISEMENTS = ("💡 Tip:",)
 # Deprecation warnings raised inside Lightning and torch about their own internals, which the user can do nothing
 # about, and warnings the run summary puts in lkcnn's terms.
 KNOWN_NOISE = (r".*isinstance\(treespec, LeafSpec\)` is deprecated",
-               # ModelCheckpoint resumed into a new folder: the run summary's `resume` line says it in lkcnn's terms
-               r"The dirpath has changed from")
+               r"The dirpath has changed from")  # ModelCheckpoint resumed into a new folder: the `resume` line
 
 
 class _DropAdvertisements(logging.Filter):

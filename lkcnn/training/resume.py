@@ -78,9 +78,9 @@ def resume_note(ckpt_path: str | None, output_dir: str) -> str | None:
     starts over there while the earlier best stays where it was. None for a fresh run."""
     if ckpt_path is None:
         return None
-    source = Path(ckpt_path).resolve().parent
+    taken, source = f"{ckpt_path} (weights, optimizer, schedule, epoch and step)", Path(ckpt_path).resolve().parent
     if source == (Path(output_dir) / "checkpoints").resolve():
-        return f"{ckpt_path} (weights, optimizer, schedule, epoch and step), in its own run folder"
+        return f"{taken}, in its own run folder"
     run = source.parent if source.name == "checkpoints" else source
-    return (f"{ckpt_path} (weights, optimizer, schedule, epoch and step); the best checkpoint is tracked afresh in "
-            f"this run's folder, the earlier best stays in {source} (hydra.run.dir={run} resumes in that folder)")
+    return (f"{taken}; the best checkpoint is tracked afresh in this run's folder, the earlier best stays in {source} "
+            f"(hydra.run.dir={run} resumes in that folder)")
