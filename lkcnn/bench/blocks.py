@@ -13,9 +13,10 @@ step does: channels_last, bf16 autocast, compiled as the training app compiles (
 lkcnn's inductor settings), forward and backward (no optimizer), on an input of the shape and dtype the whole network
 hands that stage, with a mean-square loss. The stems, downsampling layers and head are left out. Each `--inductor`
 value (comma-separated settings of `torch._inductor.config`) is one more variant, those settings over lkcnn's, run
-after lkcnn's own (`--inductor realize_reads_threshold=4` is inductor's default). The unit's own kernels ("blocks" in
-the table) leave out two costs of running it alone: its loss (eager PyTorch kernels, "other") and the CUDA graph's copy of
-its input (a foreach copy, which the profile files under "optimizer"); inside the whole network neither exists.
+after lkcnn's own (`--inductor realize_reads_threshold=4,combo_kernels=False` is inductor's default). The unit's own
+kernels ("blocks" in the table) leave out two costs of running it alone: its loss (eager PyTorch kernels, "other")
+and the CUDA graph's copy of its input (a foreach copy, which the profile files under "optimizer"); inside the whole
+network neither exists.
 """
 from __future__ import annotations
 

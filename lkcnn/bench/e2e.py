@@ -7,7 +7,7 @@ The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydr
                               [--compile] [--cuda-graph] [--repeat 3] [--json FILE]
     python -m lkcnn.bench e2e --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
     python -m lkcnn.bench e2e --compare convnext_base [--json FILE]   # compiled: vs the peer and the 3x3 twin
-    python -m lkcnn.bench e2e --runs auto --compile --channels-last --inductor realize_reads_threshold=4   # A/B
+    python -m lkcnn.bench e2e --runs auto --compile --channels-last --inductor combo_kernels=False   # A/B
 """
 from __future__ import annotations
 
@@ -375,7 +375,8 @@ def _parser() -> argparse.ArgumentParser:
                              "compiled and channels_last unless --compile/--channels-last say otherwise")
     parser.add_argument("--inductor", default="", metavar="KEY=VALUE[,...]",
                         help="torch._inductor.config settings over lkcnn's for every compiled network of this run "
-                             "(an A/B is two runs in one call: realize_reads_threshold=4 is inductor's default)")
+                             "(an A/B is two runs in one call; realize_reads_threshold=4,combo_kernels=False is "
+                             "inductor's default)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of all variants; medians are printed")
     parser.add_argument("--json", default="", help="write a train_e2e benchmark record here")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=list(VARIANTS),
