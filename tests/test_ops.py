@@ -2,10 +2,13 @@
 implementation choice and fallback, argument errors, and the build's lock handling."""
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,6 +205,38 @@ def test_build_directory_depends_on_sources_and_arch(monkeypatch, tmp_path):
     header = next(p for p in copy.rglob("*.h"))
     header.write_text(header.read_text() + "\n// edited\n")  # a header edit is a source change too
     assert sources.source_digest("2.0", "13.0", "9.0", copy) != before
+
+
+def _stdlib_extension() -> Path:
+    """A compiled module of Python's own (lib-dynload), to stand in for a finished build's extension."""
+    for name in ("_json", "_bisect", "_heapq", "_csv", "array"):
+        path = getattr(importlib.import_module(name), "__file__", None)
+        if path and path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+            return Path(path)
+    pytest.skip("this Python has its extension modules built in")
+
+
+def test_a_finished_build_loads_without_ninja_or_nvcc(monkeypatch, tmp_path):
+    """A build directory holding its module (restored from a cache, copied with a checkout) loads as it is; one whose
+    module does not load (a link a killed build left) is built again."""
+    from torch.utils import cpp_extension
+
+    ext = _stdlib_extension()
+    name = ext.name.split(".")[0]
+    built, killed = tmp_path / "built" / name, tmp_path / "killed" / name  # the module takes the directory's name
+    for directory in (built, killed):
+        directory.mkdir(parents=True)
+    monkeypatch.setattr(build, "arch_list", lambda: "9.0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # no toolkit: only a finished build can load
+    monkeypatch.setattr(build, "build_directory", lambda archs: built)
+    with pytest.raises(build.BuildError, match="nvcc was not found"):
+        build._jit_build(verbose=False)  # nothing built yet
+    shutil.copy(ext, built / f"{name}{cpp_extension.LIB_EXT}")
+    assert build._jit_build(verbose=False).__name__ == name
+    monkeypatch.setattr(build, "build_directory", lambda archs: killed)
+    (killed / f"{name}{cpp_extension.LIB_EXT}").write_bytes(b"not a shared object")
+    with pytest.raises(build.BuildError, match="nvcc was not found"):
+        build._jit_build(verbose=False)
 
 
 def test_prebuilt_extension_is_used_only_when_it_matches(monkeypatch, tmp_path):
