@@ -4,7 +4,7 @@ instead of the minutes a whole compiled network takes (`lkcnn.bench e2e`). The q
 around the kernels, such as inductor's settings, before a whole-network run confirms it:
 
     python -m lkcnn.bench blocks [--models replknet31b,convnext_base] [--batch 64] [--json FILE]
-    python -m lkcnn.bench blocks --inductor combo_kernels=True --inductor triton.tile_reductions=True
+    python -m lkcnn.bench blocks --inductor max_autotune_pointwise=True --inductor triton.tile_reductions=True
     python -m lkcnn.bench blocks --models replknet31b --kernels 12   # and each unit's 12 longest kernels
 
 A unit is a stage's shortest repeating run of blocks of the same structure (RepLKNet: a RepLK block and its ConvFFN;
