@@ -60,7 +60,7 @@ def test_kernel_names_fall_in_their_category(name, expected):
     assert category(name) == expected
 
 
-def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch):
+def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, capsys):
     speeds = {("replknet31b", "auto"): 1200.0, ("replknet31b", "torch"): 1500.0, ("convnext_base", "torch"): 1600.0}
     calls = []
 
@@ -74,9 +74,11 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch):
     monkeypatch.setattr(e2e, "step_report", fake_report)
     rows = e2e.compare(["replknet31b"], "convnext_base", batch=64, steps=2, warmup=1, compile="reduce-overhead")
     assert [r["network"] for r in rows] == ["replknet31b", "replknet31b 3x3", "convnext_base"]
-    assert calls == [("replknet31b", "auto", False, True, "reduce-overhead"),
-                     ("replknet31b", "torch", True, True, "reduce-overhead"),
-                     ("convnext_base", "torch", False, True, "reduce-overhead")]
+    # the peer first: every later progress line has its ratio, also where a time limit stops the run
+    assert calls == [("convnext_base", "torch", False, True, "reduce-overhead"),
+                     ("replknet31b", "auto", False, True, "reduce-overhead"),
+                     ("replknet31b", "torch", True, True, "reduce-overhead")]
+    assert "replknet31b: 1200.0 images/s (0.75x convnext_base)" in capsys.readouterr().err
     assert rows[0]["ratio_to_convnext_base"] == pytest.approx(0.75) and rows[0]["ratio_to_3x3"] == pytest.approx(0.8)
     assert "ratio_to_3x3" not in rows[1] and rows[2]["ratio_to_convnext_base"] == 1.0
     args = argparse.Namespace(compare="convnext_base", batch=64, compile="reduce-overhead", channels_last=True,

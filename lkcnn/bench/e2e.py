@@ -268,7 +268,12 @@ def measure(variants: dict[str, Job], repeat: int, **common) -> dict[str, list[f
 
 def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
     """`--compare`: each of `models` under the default dispatch, RepLKNet's 3x3 twin, then `peer`; one row each with
-    images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category."""
+    images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category. The peer runs
+    first, so each network's progress line carries its ratio, also in a run stopped partway (a time limit)."""
+    peer_row = {"network": peer, "model": peer, "variant": "timm",
+                **step_report(peer, "torch", channels_last=True, **common),
+                "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])}
+    _progress(peer_row)
     rows = []
     for model in models:
         for key in ("auto", "torch3"):
@@ -278,12 +283,9 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
             floor = norm_floor_gb(timm.create_model(model, **kwargs), common["batch"])
             rows.append({"network": model if key == "auto" else f"{model} 3x3", "model": model, "variant": key,
                          **step_report(model, impl, channels_last=True, **common, **kwargs), "norm_floor_gb": floor})
-            _progress(rows[-1])
-    rows.append({"network": peer, "model": peer, "variant": "timm",
-                 **step_report(peer, "torch", channels_last=True, **common),
-                 "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])})
-    _progress(rows[-1])
-    peer_ips = rows[-1]["images_per_s"]
+            _progress(rows[-1], peer_row)
+    rows.append(peer_row)
+    peer_ips = peer_row["images_per_s"]
     twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "torch3"}
     for row in rows:
         row[f"ratio_to_{peer}"] = row["images_per_s"] / peer_ips
@@ -292,8 +294,10 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
     return rows
 
 
-def _progress(row: dict[str, Any]) -> None:
-    print(f"lkcnn-bench e2e: {row['network']}: {row['images_per_s']:.1f} images/s", file=sys.stderr, flush=True)
+def _progress(row: dict[str, Any], peer: dict[str, Any] | None = None) -> None:
+    ratio = f" ({row['images_per_s'] / peer['images_per_s']:.2f}x {peer['network']})" if peer else ""
+    print(f"lkcnn-bench e2e: {row['network']}: {row['images_per_s']:.1f} images/s{ratio}", file=sys.stderr,
+          flush=True)
 
 
 def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
