@@ -23,17 +23,19 @@ AUTO_COMPILE_MODE = "reduce-overhead"
 # them: RepLKNet-31B's compiled step +3.2% images/s on an H200 (docs/performance.md, "The current code against
 # ConvNeXt-B").
 # `combo_kernels` launches kernels of a graph that do not depend on each other as one: fewer of the short kernels a
-# step of small normalization passes is made of. +2.5% images/s on RepLKNet-31B's compiled step on an H200, and no
-# longer a compile (docs/performance.md, "Block by block").
+# step of small normalization passes is made of. +2.5% images/s on RepLKNet-31B's compiled step on an H200, compile
+# time unchanged (docs/performance.md, "The current code against ConvNeXt-B").
 INDUCTOR_SETTINGS: dict[str, Any] = {"realize_reads_threshold": 5, "combo_kernels": True}
 
 
 def compile_options(mode: str) -> dict[str, Any]:
-    """torch.compile options for `mode` ("default", "reduce-overhead", ...) with lkcnn's INDUCTOR_SETTINGS on top
-    (torch.compile takes a mode or options, not both). RuntimeError names the modes for an unknown one."""
-    from torch._inductor import list_mode_options  # (imported here: inductor loads only when compiling)
+    """torch.compile options for `mode` ("default", "reduce-overhead", ...) with those of lkcnn's INDUCTOR_SETTINGS
+    that this torch's inductor has on top (torch.compile takes a mode or options, not both, and rejects an option it
+    does not know). RuntimeError names the modes for an unknown one."""
+    from torch._inductor import config, list_mode_options  # (imported here: inductor loads only when compiling)
 
-    return {**list_mode_options(mode), **INDUCTOR_SETTINGS}
+    known = config.get_config_copy()
+    return {**list_mode_options(mode), **{k: v for k, v in INDUCTOR_SETTINGS.items() if k in known}}
 
 
 def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None = None) -> None:

@@ -115,7 +115,11 @@ def diagnose(do_build: bool) -> tuple[list[str], list[str]]:
     lines.append(f"compiler    {cxx.splitlines()[0] if cxx else 'not found'}")
     usable, why = build.prebuilt_status()
     lines.append(f"prebuilt    {'yes, ' if usable else 'no: '}{why}")
+    directory = build.build_directory(build.arch_list())
+    built = build.is_built(directory)  # a finished build loads without the toolchain
     if not usable:
+        lines.append(f"build cache {directory} ({'built' if built else 'not built yet'})")
+    if not usable and not built:
         if nvcc is None:
             problems.append("nvcc was not found: install the CUDA toolkit (matching torch's CUDA "
                             f"{torch.version.cuda}) or set CUDA_HOME, or install lkcnn with LKCNN_BUILD_EXT=1 "
@@ -125,12 +129,9 @@ def diagnose(do_build: bool) -> tuple[list[str], list[str]]:
                             f"a CUDA {torch.version.cuda.split('.')[0]}.x toolkit or point CUDA_HOME at one")
         if cxx is None:
             problems.append("no C++ compiler (c++) was found: install one (e.g. apt-get install g++) or set CXX")
-        directory = build.build_directory(build.arch_list())
-        built = any(directory.glob("*.so"))
-        lines.append(f"build cache {directory} ({'built' if built else 'not built yet'})")
-        if not built and not do_build:
+        if not do_build:
             problems.append("the extension is not built yet: run `python -m lkcnn.doctor --build` (or let the first "
-                            "call build it, about a minute)")
+                            "call build it, one to two minutes)")
             return lines, problems
     start = time.perf_counter()
     try:

@@ -2,7 +2,7 @@
 # One call on the GPU machine for whole-network training speed: build the CUDA extension, the GPU tests of the ops
 # the networks run, each stage's blocks (`lkcnn.bench blocks`), and optionally the compiled networks against timm's
 # ConvNeXt-B (`lkcnn.bench e2e --compare`: ~3 minutes a network on an H200, compile, timing and profile; RepLKNet-31B
-# brings its 3x3 twin, so with the build it nears a 10-minute call on its own). Logs and records go to $OUT; the
+# brings its 3x3 twin: ~9 minutes with a cold build, so one --models network per run). Logs and records go to $OUT; the
 # short tables print last.
 # Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
 #   bash scripts/network_check.sh                # tests, then blocks (and longest kernels) of RepLKNet-31B, UniRepLKNet-B

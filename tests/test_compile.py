@@ -19,6 +19,12 @@ def test_options_are_the_mode_and_lkcnn_settings():
         compile_options("fast")
 
 
+def test_settings_this_torch_lacks_are_left_out(monkeypatch):
+    """An older torch's inductor may not know a setting; torch.compile would reject the whole options dict."""
+    monkeypatch.setattr("lkcnn.compile.INDUCTOR_SETTINGS", {**INDUCTOR_SETTINGS, "a_setting_from_the_future": 1})
+    assert compile_options("default") == INDUCTOR_SETTINGS
+
+
 def _hidden_buffers_in_backward(settings: dict) -> int:
     """Buffers of the FFN's hidden size that the compiled backward of a RepLKNet ConvFFN allocates."""
     torch._dynamo.reset()

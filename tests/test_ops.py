@@ -7,6 +7,7 @@ import importlib.machinery
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -204,7 +205,14 @@ def test_build_directory_depends_on_sources_and_arch(monkeypatch, tmp_path):
     before = sources.source_digest("2.0", "13.0", "9.0", copy)
     header = next(p for p in copy.rglob("*.h"))
     header.write_text(header.read_text() + "\n// edited\n")  # a header edit is a source change too
-    assert sources.source_digest("2.0", "13.0", "9.0", copy) != before
+    edited = sources.source_digest("2.0", "13.0", "9.0", copy)
+    assert edited != before
+    (copy / "dwconv" / "extra.inl").write_text("// included by a source\n")  # any file a source may include
+    assert sources.source_digest("2.0", "13.0", "9.0", copy) != edited
+    assert sources.source_digest("2.0", "13.0", "9.0", copy, python=sys.implementation.cache_tag) == \
+        sources.source_digest("2.0", "13.0", "9.0", copy)
+    assert sources.source_digest("2.0", "13.0", "9.0", copy, python="cpython-399") != \
+        sources.source_digest("2.0", "13.0", "9.0", copy)  # a module for another Python
 
 
 def _stdlib_extension() -> Path:
@@ -217,25 +225,47 @@ def _stdlib_extension() -> Path:
 
 
 def test_a_finished_build_loads_without_ninja_or_nvcc(monkeypatch, tmp_path):
-    """A build directory holding its module (restored from a cache, copied with a checkout) loads as it is; one whose
-    module does not load (a link a killed build left) is built again."""
+    """A build directory holding its module and the stamp of a finished build (restored from a cache, copied with a
+    checkout) loads that module as it is; a module without the stamp (a link a killed build left) is built again;
+    a stamped module that does not load says what to delete; a stale lock is reported first."""
     from torch.utils import cpp_extension
 
     ext = _stdlib_extension()
     name = ext.name.split(".")[0]
-    built, killed = tmp_path / "built" / name, tmp_path / "killed" / name  # the module takes the directory's name
-    for directory in (built, killed):
-        directory.mkdir(parents=True)
     monkeypatch.setattr(build, "arch_list", lambda: "9.0")
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # no toolkit: only a finished build can load
-    monkeypatch.setattr(build, "build_directory", lambda archs: built)
+
+    def directory(kind: str) -> Path:
+        path = tmp_path / kind / name  # the module takes the directory's name, as the build names it
+        path.mkdir(parents=True)
+        monkeypatch.setattr(build, "build_directory", lambda archs: path)
+        return path
+
+    built = directory("built")
     with pytest.raises(build.BuildError, match="nvcc was not found"):
         build._jit_build(verbose=False)  # nothing built yet
-    shutil.copy(ext, built / f"{name}{cpp_extension.LIB_EXT}")
-    assert build._jit_build(verbose=False).__name__ == name
-    monkeypatch.setattr(build, "build_directory", lambda archs: killed)
-    (killed / f"{name}{cpp_extension.LIB_EXT}").write_bytes(b"not a shared object")
+    module_file = built / f"{name}{cpp_extension.LIB_EXT}"
+    shutil.copy(ext, module_file)
+    assert not build.is_built(built)
     with pytest.raises(build.BuildError, match="nvcc was not found"):
+        build._jit_build(verbose=False)  # a module without the stamp: an unfinished build
+    build._write_stamp(built)
+    assert build.is_built(built)
+    assert build._jit_build(verbose=False).__file__ == str(module_file)
+
+    broken = directory("broken")
+    (broken / f"{name}{cpp_extension.LIB_EXT}").write_bytes(b"not a shared object")
+    build._write_stamp(broken)
+    with pytest.raises(build.BuildError, match=f"delete {broken}"):
+        build._jit_build(verbose=False)
+
+    locked = directory("locked")
+    shutil.copy(ext, locked / f"{name}{cpp_extension.LIB_EXT}")
+    build._write_stamp(locked)
+    old = time.time() - 2 * build.LOCK_STALE_S
+    (locked / "lock").touch()
+    os.utime(locked / "lock", (old, old))
+    with pytest.raises(build.BuildError, match="stale build lock"):
         build._jit_build(verbose=False)
 
 

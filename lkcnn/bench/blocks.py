@@ -32,7 +32,7 @@ from torch import nn
 from lkcnn.bench.e2e import COMPILE_MODE, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import compile_model, parse_settings
+from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, parse_settings
 from lkcnn.errors import UserError
 from lkcnn.ops import set_conv_impl
 
@@ -210,7 +210,8 @@ def main(argv: Sequence[str]) -> None:
         method = {"timer": "torch.profiler kernel times over --steps steps after 6 warm-up steps (3 compiling)",
                   "units": "GPU ms per training step (forward + backward, no optimizer) of each stage's unit, and "
                            "summed over the stages times their unit counts",
-                  "batch": args.batch, "regime": f"compiled ({COMPILE_MODE}), channels_last", "dtype": "bf16 autocast"}
+                  "batch": args.batch, "regime": f"compiled ({COMPILE_MODE}), channels_last", "dtype": "bf16 autocast",
+                  "lkcnn_inductor_settings": INDUCTOR_SETTINGS}
         write_record(args.json, make_record("train_blocks", torch.device("cuda"), command_line(["blocks", *argv]),
                                             method, rows))
         print(f"wrote {args.json}")

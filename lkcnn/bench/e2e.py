@@ -25,7 +25,7 @@ from torch import nn
 from lkcnn import timing
 from lkcnn.bench.profile import by_category, kernel_table, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import AUTO_COMPILE_MODE, compile_model, parse_settings
+from lkcnn.compile import AUTO_COMPILE_MODE, INDUCTOR_SETTINGS, compile_model, parse_settings
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
@@ -267,9 +267,9 @@ def measure(variants: dict[str, Job], repeat: int, **common) -> dict[str, list[f
 
 
 def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
-    """`--compare`: each of `models` under the default dispatch, RepLKNet's 3x3 twin, then `peer`; one row each with
-    images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category. The peer runs
-    first, so each network's progress line carries its ratio, also in a run stopped partway (a time limit)."""
+    """`--compare`: one row each for `models` under the default dispatch, RepLKNet's 3x3 twin and `peer`, in that
+    order, with images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category. The
+    peer is measured first, so each network's progress line carries its ratio, also in a run stopped partway."""
     peer_row = {"network": peer, "model": peer, "variant": "timm",
                 **step_report(peer, "torch", channels_last=True, **common),
                 "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])}
@@ -355,7 +355,8 @@ def record(samples: dict[str, list[float]], variants: dict[str, Job], args: argp
              "ratio_to_first": ips / first, "runs": samples[label]} for label, ips in ips_by_label.items()]
     method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized",
               "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
-              "regime": regime(args), "dtype": "bf16 autocast"}
+              "regime": regime(args), "dtype": "bf16 autocast",
+              "lkcnn_inductor_settings": INDUCTOR_SETTINGS if args.compile else None}
     return make_record("train_e2e", torch.device("cuda"), command_line(["e2e", *argv]), method, rows)
 
 
@@ -421,7 +422,9 @@ def main(argv: Sequence[str]) -> None:
                       "units": "training images/s (forward, backward, AdamW step); GPU ms per step",
                       "norm_floor_gb": "least GB of the normalization/activation passes per step, by kind "
                                        "(lkcnn.bench.e2e.NORM_PASSES)", "copy_gbps": args.copy_gbps,
-                      "batch": args.batch, "regime": regime(args), "dtype": "bf16 autocast"}
+                      "batch": args.batch, "regime": regime(args), "dtype": "bf16 autocast",
+                      "lkcnn_inductor_settings": INDUCTOR_SETTINGS,
+                      "order": "the peer first, then each network and its 3x3 twin"}
             write_record(args.json, make_record("train_e2e_compare", torch.device("cuda"),
                                                 command_line(["e2e", *argv]), method, rows))
             print(f"wrote {args.json}")

@@ -477,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load_extension() -> str | None:
     """Build lkcnn's extension before timing; its file name carries the hash of the sources that were measured."""
-    print("lkcnn-bench: loading lkcnn's CUDA extension (a cold build takes about a minute) ...", file=sys.stderr)
+    print("lkcnn-bench: loading lkcnn's CUDA extension (a cold build takes one to two minutes) ...", file=sys.stderr)
     try:
         return build.load().__file__
     except build.BuildError as err:

@@ -27,8 +27,10 @@ from .sources import CUDA_FLAGS, CXX_FLAGS, LIBRARIES, SOURCES, csrc_dir, source
 PREBUILT_MODULE = "lkcnn.ops._prebuilt"
 # written by setup.py beside the prebuilt extension: {"digest": ..., "archs": ..., "torch": ...}
 PREBUILT_INFO = Path(__file__).with_name("_prebuilt.json")
-# A build lock older than this belongs to a build that was killed (a cold build takes well under a minute).
+# A build lock older than this belongs to a build that was killed (a cold build takes one to two minutes).
 LOCK_STALE_S = float(os.environ.get("LKCNN_BUILD_LOCK_TIMEOUT", "600"))
+# Written into the build directory once its module has loaded (is_built).
+BUILT_STAMP = "lkcnn_built.json"
 
 
 class BuildError(RuntimeError):
@@ -131,22 +133,45 @@ def _load(verbose: bool) -> ModuleType:
     return _jit_build(verbose)
 
 
-def _load_built(directory: Path) -> ModuleType | None:
-    """The module a finished build left in `directory`, or None. The directory's name is a hash of everything the
-    build reads (build_directory), so a module there was built from these sources for this torch and these GPUs, and
-    it loads without ninja, which judges by file times: a build directory restored or copied beside a fresh checkout
-    (a container image, a CI cache) was built again, 79 s on an H200 machine, although nothing had changed."""
+def _module_path(directory: Path) -> Path:
     from torch.utils.cpp_extension import LIB_EXT
 
-    path = directory / f"{directory.name}{LIB_EXT}"
-    if not path.is_file():
+    return directory / f"{directory.name}{LIB_EXT}"
+
+
+def _write_stamp(directory: Path) -> None:
+    """Mark the build in `directory` finished: its module's file name and size, written once it has loaded."""
+    path = _module_path(directory)
+    (directory / BUILT_STAMP).write_text(json.dumps({"module": path.name, "bytes": path.stat().st_size}) + "\n")
+
+
+def is_built(directory: Path) -> bool:
+    """Whether a build in `directory` finished: its stamp names the module file there, at the size it has."""
+    path = _module_path(directory)
+    try:
+        stamp = json.loads((directory / BUILT_STAMP).read_text())
+        return stamp == {"module": path.name, "bytes": path.stat().st_size}
+    except (OSError, ValueError):
+        return False
+
+
+def _load_built(directory: Path) -> ModuleType | None:
+    """The module a finished build left in `directory` (is_built), or None. The directory's name is a hash of
+    everything the build reads (build_directory), so that module was built from these sources for this torch, this
+    Python and these GPUs, and it loads without ninja, which judges by file times: a build directory restored or
+    copied beside a fresh checkout (a container image, a CI cache) was built again, 79 s on an H200 machine,
+    although nothing had changed."""
+    if not is_built(directory):
         return None
+    path = _module_path(directory)
     spec = importlib.util.spec_from_file_location(directory.name, path)
     try:
         module = importlib.util.module_from_spec(spec)  # (an extension module loads here)
         spec.loader.exec_module(module)
-    except ImportError:
-        return None  # a link a killed build left unfinished: build it again
+    except ImportError as err:
+        # a library that loaded and failed stays loaded: a rebuild could not replace it in this process
+        raise BuildError(f"the built extension {path} does not load ({err}): delete {directory} and run again, "
+                         "which builds it anew") from err
     return module
 
 
@@ -167,10 +192,12 @@ def _jit_build(verbose: bool) -> ModuleType:
     if cpp_extension.CUDA_HOME is None or not (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()):
         raise BuildError("nvcc was not found: install the CUDA toolkit or set CUDA_HOME")
     with _env(TORCH_CUDA_ARCH_LIST=archs, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4))):
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=directory.name, sources=[str(csrc / s) for s in SOURCES], build_directory=str(directory),
             extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=list(CUDA_FLAGS),
             extra_ldflags=[f"-l{lib}" for lib in LIBRARIES], verbose=verbose)
+    _write_stamp(directory)
+    return module
 
 
 def main() -> None:

@@ -7,10 +7,11 @@ editable install builds from the repository's `csrc/`.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 # compiled in this order, relative to csrc/ (one folder per op family, each with its own bindings); every other
-# file there is a header they include. Object files are named by base name, so base names are unique.
+# C++/CUDA file there is one they include. Object files are named by base name, so base names are unique.
 SOURCES = ("extension.cpp",
            "dwconv/dwconv_bindings.cpp", "dwconv/dwconv_fwd.cu", "dwconv/dwconv_wgrad.cu", "dwconv/dwconv_fwd_tc.cu",
            "dwconv/dwconv_wgrad_tc.cu", "dwconv/dwconv_small.cu", "dwconv/dwconv_map_tc.cu",
@@ -19,7 +20,8 @@ SOURCES = ("extension.cpp",
            "sync_bn/sync_bn_bindings.cpp", "sync_bn/sync_batchnorm.cpp", "sync_bn/sync_exchange.cu",
            "gemm8/gemm8_bindings.cpp", "gemm8/gemm8_lt.cu",
            "dwconv8/dwconv8_bindings.cpp", "dwconv8/dwconv8_fwd.cu", "dwconv8/dwconv8_small.cu")
-HEADER_SUFFIXES = (".h", ".cuh")
+# what an included file may be called: all of them are hashed with the sources (source_digest)
+HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inl", ".inc", ".cu", ".cpp", ".cc")
 CXX_FLAGS = ("-O3",)
 CUDA_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
 LIBRARIES = ("cublasLt",)  # gemm8: cuBLASLt's FP8 GEMMs, called directly for their epilogues
@@ -38,17 +40,22 @@ def csrc_dir() -> Path:
 
 
 def source_files(directory: Path | None = None) -> list[Path]:
-    """Every file the build reads: the compiled sources and the headers beside them."""
+    """Every file the build reads: the compiled sources and the files beside them they may include."""
     directory = directory or csrc_dir()
-    headers = sorted(p for p in directory.rglob("*") if p.suffix in HEADER_SUFFIXES)
-    return [directory / name for name in SOURCES] + headers
+    compiled = [directory / name for name in SOURCES]
+    included = sorted(p for p in directory.rglob("*") if p.suffix in HEADER_SUFFIXES and p not in compiled)
+    return compiled + included
 
 
-def source_digest(torch_version: str, cuda_version: str | None, archs: str, directory: Path | None = None) -> str:
-    """A hash of the sources, the flags, torch, CUDA and the target architectures: one build per distinct input."""
+def source_digest(torch_version: str, cuda_version: str | None, archs: str, directory: Path | None = None,
+                  python: str | None = None) -> str:
+    """A hash of the sources, the flags, torch, CUDA, the target architectures and the Python the module is built
+    for (`python`: its cache tag, this interpreter's by default): one build per distinct input, so a module found
+    under this name loads as it is (lkcnn.ops.build)."""
     digest = hashlib.sha256()
     directory = directory or csrc_dir()
     for path in sorted(source_files(directory)):
         digest.update(path.relative_to(directory).as_posix().encode() + path.read_bytes())
-    digest.update(f"{torch_version}|{cuda_version}|{archs}|{CXX_FLAGS}|{CUDA_FLAGS}|{LIBRARIES}".encode())
+    digest.update(f"{torch_version}|{cuda_version}|{archs}|{CXX_FLAGS}|{CUDA_FLAGS}|{LIBRARIES}|"
+                  f"{python or sys.implementation.cache_tag}".encode())
     return digest.hexdigest()[:16]
