@@ -1,9 +1,9 @@
 """The compiled extension: a prebuilt one from `LKCNN_BUILD_EXT=1 pip install`, else a JIT build of the sources.
 
-The JIT build directory is keyed by a hash of the sources, the torch/CUDA versions and the target architectures (as
-in StyleGAN3's custom_ops), so a stale build is never loaded, two versions never fight over one directory, and a
-finished build found there loads as it is. A prebuilt extension is used only when the same hash says it was built from these sources for this torch and covers
-the GPU's architecture. `python -m lkcnn.ops.build` builds ahead of time and prints where the build lives;
+The JIT build directory is keyed by a hash of the sources, the torch/CUDA versions, the target architectures and the
+Python version (as in StyleGAN3's custom_ops), so a stale build is never loaded, two versions never fight over one
+directory, and a finished build found there loads as it is. A prebuilt extension is used only when the same hash
+says it was built from these sources for this torch and covers the GPU's architecture. `python -m lkcnn.ops.build` builds ahead of time and prints where the build lives;
 `python -m lkcnn.doctor` tells what is missing when it cannot.
 """
 from __future__ import annotations
@@ -189,7 +189,8 @@ def _jit_build(verbose: bool) -> ModuleType:
     built = _load_built(directory)
     if built is not None:
         return built
-    if cpp_extension.CUDA_HOME is None or not (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()):
+    nvcc = cpp_extension.CUDA_HOME and (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists())
+    if not nvcc:
         raise BuildError("nvcc was not found: install the CUDA toolkit or set CUDA_HOME")
     with _env(TORCH_CUDA_ARCH_LIST=archs, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 4))):
         module = cpp_extension.load(
