@@ -28,13 +28,20 @@ AUTO_COMPILE_MODE = "reduce-overhead"
 INDUCTOR_SETTINGS: dict[str, Any] = {"realize_reads_threshold": 5, "combo_kernels": True}
 
 
+def _inductor_settings() -> dict[str, Any]:
+    """This torch's inductor settings (imported here: inductor loads only when compiling)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.get_config_copy()
+
+
 def compile_options(mode: str) -> dict[str, Any]:
     """torch.compile options for `mode` ("default", "reduce-overhead", ...) with those of lkcnn's INDUCTOR_SETTINGS
     that this torch's inductor has on top (torch.compile takes a mode or options, not both, and rejects an option it
     does not know). RuntimeError names the modes for an unknown one."""
-    from torch._inductor import config, list_mode_options  # (imported here: inductor loads only when compiling)
+    from torch._inductor import list_mode_options
 
-    known = config.get_config_copy()
+    known = _inductor_settings()
     return {**list_mode_options(mode), **{k: v for k, v in INDUCTOR_SETTINGS.items() if k in known}}
 
 
@@ -47,9 +54,7 @@ def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None =
 def parse_settings(text: str) -> dict[str, Any]:
     """`key=value,...` as `torch._inductor.config` settings (the benchmarks' `--inductor`); values are Python
     literals (`True`, `1`) or strings. ValueError names the first key inductor does not have or an item without `=`."""
-    import torch._inductor.config as inductor_config
-
-    known = inductor_config.get_config_copy()
+    known = _inductor_settings()
     settings: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")

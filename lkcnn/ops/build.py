@@ -3,8 +3,9 @@
 The JIT build directory is keyed by a hash of the sources, the torch/CUDA versions, the target architectures and the
 Python version (as in StyleGAN3's custom_ops), so a stale build is never loaded, two versions never fight over one
 directory, and a finished build found there loads as it is. A prebuilt extension is used only when the same hash
-says it was built from these sources for this torch and covers the GPU's architecture. `python -m lkcnn.ops.build` builds ahead of time and prints where the build lives;
-`python -m lkcnn.doctor` tells what is missing when it cannot.
+says it was built from these sources for this torch and covers the GPU's architecture. `python -m lkcnn.ops.build`
+builds ahead of time and prints where the build lives; `python -m lkcnn.doctor` tells what is missing when it
+cannot.
 """
 from __future__ import annotations
 
