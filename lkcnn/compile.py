@@ -7,6 +7,7 @@ the entry points and of lkcnn.training, which the benchmarks use without importi
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -51,19 +52,25 @@ def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None =
     model.compile(options={**compile_options(mode), **(settings or {})})
 
 
+def check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` as a dict of `torch._inductor.config` settings; ValueError names the first key inductor lacks."""
+    known = _inductor_settings()
+    for key in settings:
+        if key not in known:
+            raise ValueError(f"torch {torch.__version__} has no inductor setting {key!r}")
+    return dict(settings)
+
+
 def parse_settings(text: str) -> dict[str, Any]:
     """`key=value,...` as `torch._inductor.config` settings (the benchmarks' `--inductor`); values are Python
     literals (`True`, `1`) or strings. ValueError names the first key inductor does not have or an item without `=`."""
-    known = _inductor_settings()
     settings: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"{item!r} is not key=value")
-        if key not in known:
-            raise ValueError(f"torch {torch.__version__} has no inductor setting {key!r}")
         try:
             settings[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             settings[key] = value
-    return settings
+    return check_settings(settings)

@@ -95,6 +95,13 @@ def test_compile_takes_lkcnns_inductor_settings(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
     instantiate(make_cfg(tmp_path, *tiny("replknet_tiny")).module, compile="reduce-overhead")
     assert seen == [{"options": compile_options("reduce-overhead")}]  # the mode's options and INDUCTOR_SETTINGS
+    cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "module.compile=reduce-overhead",
+                   "module.inductor={coordinate_descent_tuning:true,combo_kernels:false}")
+    instantiate(cfg.module)
+    assert seen[-1] == {"options": {**compile_options("reduce-overhead"), "coordinate_descent_tuning": True,
+                                    "combo_kernels": False}}  # the config's settings over lkcnn's
+    with pytest.raises(ConfigError, match=r"^module.inductor: .* no inductor setting 'coordinate_descent'"):
+        ClassificationModule(dict(cfg.model), dict(cfg.optim), inductor={"coordinate_descent": True})
 
 
 def test_auto_compile_compiles_on_a_gpu_unless_a_callback_times_modules(tmp_path):

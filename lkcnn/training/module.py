@@ -24,7 +24,7 @@ from timm.scheduler.scheduler import Scheduler
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from lkcnn.compile import AUTO_COMPILE_MODE, compile_model
+from lkcnn.compile import AUTO_COMPILE_MODE, check_settings, compile_model
 from lkcnn.ops.sync_batchnorm import DEFAULT_EXCHANGE_TIMEOUT_S, check_nvlink_exchange
 
 from .distributed import compile_as_one_graph_under_ddp, configure_sync_bn_exchange, use_nvlink_exchange
@@ -66,6 +66,8 @@ class ClassificationModule(L.LightningModule):
             GPU and no callback needs eager module hooks, else eager), False, True (torch's default mode) or a
             torch.compile mode, e.g. "reduce-overhead" (forward and backward replayed as CUDA graphs, which takes
             the launch cost of the eager step off the host).
+        inductor: `torch._inductor.config` settings over lkcnn's (lkcnn.compile) when the network compiles, e.g.
+            {"coordinate_descent_tuning": True}: faster kernels for a longer compile.
         sync_bn_exchange: where SyncBatchNorm's statistics travel: "auto" (default: lkcnn's NVLink kernels when
             compiled on several GPUs of one machine, else NCCL), "lkcnn" (the same, warning where they do not
             apply) or "torch" (NCCL); docs/training_multigpu.md.
@@ -77,7 +79,8 @@ class ClassificationModule(L.LightningModule):
 
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], conv_impl: str = "auto",
                  ema: Mapping[str, Any] | None = None, seed: int = 0, channels_last: bool = False,
-                 compile: bool | str = "auto", grad_checkpointing: bool = False, sync_bn_exchange: str = "auto",
+                 compile: bool | str = "auto", inductor: Mapping[str, Any] | None = None,
+                 grad_checkpointing: bool = False, sync_bn_exchange: str = "auto",
                  sync_bn_exchange_timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -88,6 +91,10 @@ class ClassificationModule(L.LightningModule):
         if not (isinstance(sync_bn_exchange_timeout_s, (int, float)) and sync_bn_exchange_timeout_s > 0):
             raise ConfigError(f"module.sync_bn_exchange_timeout_s={sync_bn_exchange_timeout_s!r}: use a positive "
                               "number of seconds")
+        try:
+            self.inductor = check_settings(inductor) if inductor else {}  # imports inductor: only when set
+        except ValueError as err:
+            raise ConfigError(f"module.inductor: {err} (the names are torch._inductor.config's)") from err
         self.hydra_config: dict[str, Any] | None = None
         self.model = build_model(model, conv_impl)
         if grad_checkpointing:
@@ -123,7 +130,7 @@ class ClassificationModule(L.LightningModule):
         compile_as_one_graph_under_ddp()
         mode = "default" if compile is True else str(compile)
         try:  # in place: state_dict keys stay model.<official keys>
-            compile_model(self.model, mode)
+            compile_model(self.model, mode, self.inductor)
         except RuntimeError as err:  # an unknown mode
             raise ConfigError(f"module.compile={compile!r}: {err} (or true for the default mode, false for eager)") \
                 from err

@@ -39,8 +39,10 @@ def _compile_line(module: L.LightningModule) -> str:
     if mode is None:
         reason = getattr(module, "compile_reason", "")
         return f"off ({reason})" if reason else "off"
-    return (f"torch.compile mode {mode}: the first steps compile the network (a minute or more cold, faster from "
-            "torch's caches on the next run; module.compile=false for eager)")
+    settings = getattr(module, "inductor", None)
+    extra = f" with inductor settings {settings}" if settings else ""
+    return (f"torch.compile mode {mode}{extra}: the first steps compile the network (a minute or more cold, faster "
+            "from torch's caches on the next run; module.compile=false for eager)")
 
 
 def _duration(seconds: float) -> str:
