@@ -14,7 +14,8 @@ run. Why here: inductor has no way to generate CUDA code without a GPU, and GPU 
 
 Bytes count each kernel's pointer arguments' whole buffers once (a buffer read and written in place counts once):
 a guide to the direction of a change, not a timing (docs/performance.md, Open 5). It patches inductor internals
-(written against torch 2.14); a torch it does not fit ends in one line.
+(written against torch 2.11, the GPU machine's, and 2.14, which generate different code: predict with the GPU's
+torch); a torch it does not fit ends in one line.
 """
 from __future__ import annotations
 
@@ -108,6 +109,7 @@ def trace_step(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[
 def fake_h200() -> Iterator[None]:
     """Inductor's view of one H200 on a machine without one: device queries answered, no driver touched."""
     import torch._inductor.scheduler as scheduler
+    import torch._subclasses.fake_tensor as fake_tensor
     import torch.utils._triton as triton_utils
     from torch._dynamo.device_interface import CudaInterface
 
@@ -125,6 +127,7 @@ def fake_h200() -> Iterator[None]:
         (CudaInterface.Worker, "get_device_properties", staticmethod(props)),
         (CudaInterface.Worker, "current_device", staticmethod(lambda: 0)),
         (scheduler, "has_triton", lambda: True),
+        (fake_tensor, "init_gpu_context", lambda *_: None),  # torch 2.11 makes a real CUDA tensor there
         (triton_utils, "triton_hash_with_backend", lambda: "fake-h200"),
         # cuDNN keeps a channels_last input's layout, as the real step's output code shows
         (torch._C, "_conv_determine_backend_memory_format", lambda x, w, backend: (
@@ -279,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as err:  # noqa: BLE001  (inductor internals this torch may not have)
         sys.exit(f"Error: inductor's code generation for a fake H200 failed on torch {torch.__version__} "
                  f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); "
-                 "lkcnn.bench codegen is written against torch 2.14")
+                 "lkcnn.bench codegen is written against torch 2.11 and 2.14")
     print("\n".join(format_rows(rows, args.top)))
 
 
