@@ -160,11 +160,14 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, backward: bool) -> str
         return t
 
     inputs = [on_cuda(channels_last(t)) for t in example_inputs]
+    placeholders = iter(inputs)
     for node in gm.graph.nodes:
         if str(node.kwargs.get("device", "")).startswith("meta"):
             node.kwargs = {**node.kwargs, "device": cuda}
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
+        if node.op == "placeholder":  # the inputs' layout, or inductor copies them to the traced one for an ATen op
+            node.meta["val"] = next(placeholders)
+        elif isinstance(val, torch.Tensor):
             node.meta["val"] = on_cuda(val)
         elif isinstance(val, list | tuple):
             node.meta["val"] = type(val)(on_cuda(v) for v in val)
