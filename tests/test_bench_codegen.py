@@ -1,5 +1,6 @@
 """lkcnn.bench codegen: inductor's CUDA output code for a fake H200 on a machine without a GPU, and its bytes."""
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -49,6 +50,26 @@ def test_recomputing_the_ffn_gelu_gradient_is_visible_without_a_gpu():
     assert stores_dy(stored) and not stores_dy(recomputed)
     total = lambda code: sum(b for _, b in codegen.kernel_bytes(code))  # noqa: E731
     assert total(recomputed) < total(stored)
+
+
+def _pure_copies(code: str) -> list[str]:
+    """Triton kernels of an output code that only load and store (layout copies)."""
+    found = []
+    for m in re.finditer(r"^def (triton_\w+)\(.*?(?=^''')", code, re.S | re.M):
+        loads = set(re.findall(r"(tmp\d+) = tl\.load\(", m.group(0)))
+        stores = re.findall(r"tl\.store\([^,]+, (tmp\d+)", m.group(0))
+        if stores and set(stores) <= loads and not re.search(r"tmp\d+ = (?!tl\.load)", m.group(0)):
+            found.append(m.group(1))
+    return found
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="inductor's CUDA code generation needs triton")
+def test_saved_activations_keep_their_layout():
+    """The backward's inputs reach inductor channels_last, as on the GPU, and ATen's convolution backward takes them
+    as they are: the GPU's output code copies none of them (before, inductor copied each to the traced layout)."""
+    code = _ffn_backward({})
+    assert "convolution_backward" in code
+    assert _pure_copies(code) == []
 
 
 @pytest.mark.parametrize("argv,message", [
