@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import copy
 import functools
 import math
 import re
@@ -218,27 +219,29 @@ def family(kernel: str) -> str:
     return re.sub(r"_\d+$", "", kernel)
 
 
-def measure(name: str, settings: dict, batch: int, out: Path | None, variant: str) -> dict:
-    """Forward and backward output code of `name`'s training step under lkcnn's settings and `settings` over
-    them, and their Triton kernels' bytes."""
+def measure(name: str, variants: Sequence[tuple[str, dict]], batch: int, out: Path | None) -> Iterator[dict]:
+    """For each (variant, settings): the forward and backward output code of `name`'s training step under lkcnn's
+    settings and `settings` over them, and their Triton kernels' bytes. The step is traced once; each lowering
+    rewrites its graph, so each variant lowers a copy."""
     import torch._inductor.config as inductor_config
 
-    model = timm.create_model(name)
-    graphs = trace_step(model, (batch, 3, 224, 224))
-    row: dict = {"network": name, "variant": variant, "settings": settings}
-    with fake_h200(), inductor_config.patch({**compile_options("default"), **settings}):
-        for part in ("forward", "backward"):
-            code = lower(*graphs[part], backward=part == "backward")
-            launches = kernel_bytes(code)
-            families = Counter()
-            for kernel, b in launches:
-                families[family(kernel)] += b
-            row[part] = {"gb": sum(b for _, b in launches) / 1e9, "launches": len(launches),
-                         "families_gb": {k: v / 1e9 for k, v in families.most_common()}}
-            if out is not None:
-                slug = re.sub(r"[^\w.=-]+", "_", f"{name}_{variant}_{part}")
-                (out / f"{slug}.py").write_text(code)
-    return row
+    graphs = trace_step(timm.create_model(name), (batch, 3, 224, 224))
+    for variant, settings in variants:
+        row: dict = {"network": name, "variant": variant, "settings": settings}
+        with fake_h200(), inductor_config.patch({**compile_options("default"), **settings}):
+            for part in ("forward", "backward"):
+                gm, example_inputs = graphs[part]
+                code = lower(copy.deepcopy(gm), example_inputs, backward=part == "backward")
+                launches = kernel_bytes(code)
+                families = Counter()
+                for kernel, b in launches:
+                    families[family(kernel)] += b
+                row[part] = {"gb": sum(b for _, b in launches) / 1e9, "launches": len(launches),
+                             "families_gb": {k: v / 1e9 for k, v in families.most_common()}}
+                if out is not None:
+                    slug = re.sub(r"[^\w.=-]+", "_", f"{name}_{variant}_{part}")
+                    (out / f"{slug}.py").write_text(code)
+        yield row
 
 
 def format_rows(rows: list[dict], top: int) -> list[str]:
@@ -279,8 +282,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # lkcnn's ops traced as PyTorch's convolutions: extern kernels to inductor, as lkcnn's are
         with use_conv_impl("torch"):
             for name in names:
-                for variant, settings in variants:
-                    rows.append(measure(name, settings, args.batch, args.out, variant))
+                for row in measure(name, variants, args.batch, args.out):
+                    rows.append(row)
                     print(format_rows(rows[-1:], 0)[1], flush=True)
     except Exception as err:  # noqa: BLE001  (inductor internals this torch may not have)
         sys.exit(f"Error: inductor's code generation for a fake H200 failed on torch {torch.__version__} "
