@@ -29,6 +29,13 @@ AUTO_COMPILE_MODE = "reduce-overhead"
 INDUCTOR_SETTINGS: dict[str, Any] = {"realize_reads_threshold": 5, "combo_kernels": True}
 
 
+def network_settings(model: nn.Module | None) -> dict[str, Any]:
+    """The inductor settings `model`'s class measured to pay for that network alone, over INDUCTOR_SETTINGS: its
+    `inductor_settings` class attribute (none for other models). A setting that speeds one network and slows another
+    stays with the network it speeds."""
+    return dict(getattr(type(model), "inductor_settings", {}))
+
+
 def _inductor_settings() -> dict[str, Any]:
     """This torch's inductor settings (imported here: inductor loads only when compiling)."""
     import torch._inductor.config as inductor_config
@@ -36,20 +43,21 @@ def _inductor_settings() -> dict[str, Any]:
     return inductor_config.get_config_copy()
 
 
-def compile_options(mode: str) -> dict[str, Any]:
+def compile_options(mode: str, model: nn.Module | None = None) -> dict[str, Any]:
     """torch.compile options for `mode` ("default", "reduce-overhead", ...) with those of lkcnn's INDUCTOR_SETTINGS
-    that this torch's inductor has on top (torch.compile takes a mode or options, not both, and rejects an option it
-    does not know). RuntimeError names the modes for an unknown one."""
+    and `model`'s network_settings that this torch's inductor has on top (torch.compile takes a mode or options, not
+    both, and rejects an option it does not know). RuntimeError names the modes for an unknown one."""
     from torch._inductor import list_mode_options
 
     known = _inductor_settings()
-    return {**list_mode_options(mode), **{k: v for k, v in INDUCTOR_SETTINGS.items() if k in known}}
+    settings = {**INDUCTOR_SETTINGS, **network_settings(model)}
+    return {**list_mode_options(mode), **{k: v for k, v in settings.items() if k in known}}
 
 
 def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None = None) -> None:
-    """torch.compile `model` in place (state_dict keys unchanged) in `mode` with lkcnn's settings, and `settings`
-    (inductor config keys) over them."""
-    model.compile(options={**compile_options(mode), **(settings or {})})
+    """torch.compile `model` in place (state_dict keys unchanged) in `mode` with lkcnn's settings and the network's,
+    and `settings` (inductor config keys) over them."""
+    model.compile(options={**compile_options(mode, model), **(settings or {})})
 
 
 def check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

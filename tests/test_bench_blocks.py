@@ -10,6 +10,7 @@ import torch
 
 from lkcnn.bench import blocks
 from lkcnn.errors import UserError
+from lkcnn.models.replknet import RepLKNet
 
 
 def test_period_is_the_shortest_repeating_run():
@@ -43,9 +44,11 @@ def test_a_network_without_stages_is_named():
 
 def test_step_time_is_the_units_times_their_counts(monkeypatch):
     busy = {128: 1.0, 256: 2.0, 512: 0.5, 1024: 4.0}  # per unit, by the stage's channels
+    seen = []
 
     def fake_report(unit, shape, dtype, batch, steps, settings, top):
-        ms = busy[shape[0]] * (2 if settings else 1)
+        seen.append(settings)
+        ms = busy[shape[0]] * (2 if "combo_kernels" in settings else 1)
         categories = {blocks.INDUCTOR: ms / 2, "GEMM (1x1 convs, head)": ms / 2, "optimizer": 0.25, blocks.OTHER: 0.5}
         return {"gpu_ms_by_category": categories, "gpu_busy_ms": ms + 0.75, "kernels": []}
     monkeypatch.setattr(blocks, "unit_report", fake_report)
@@ -58,6 +61,8 @@ def test_step_time_is_the_units_times_their_counts(monkeypatch):
     assert rows[0]["gpu_ms_by_category"][blocks.INDUCTOR] == pytest.approx(want / 2)
     assert blocks.blocks_ms(rows[1]["gpu_ms_by_category"]) == pytest.approx(2 * want)
     assert [s["units"] for s in rows[0]["stages"]] == [2, 2, 18, 2]
+    # each unit compiles with the network's own settings (lkcnn.compile.network_settings), the variant's over them
+    assert seen[0] == RepLKNet.inductor_settings and seen[-1] == {**RepLKNet.inductor_settings, "combo_kernels": True}
     lines = blocks.table(rows, 64, "H200").splitlines()
     assert "H200" in lines[0]
     assert lines[2].split()[1:8] == ["lkcnn's", "compile", "settings", f"{want:.2f}", f"{want / 2:.2f}", "1.000",

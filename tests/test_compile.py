@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
+import timm
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options, parse_settings
+from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options, network_settings, parse_settings
 from lkcnn.layers.blocks import ConvFFN
+from lkcnn.models.replknet import RepLKNet
 
 
 def test_options_are_the_mode_and_lkcnn_settings():
@@ -23,6 +25,26 @@ def test_settings_this_torch_lacks_are_left_out(monkeypatch):
     """An older torch's inductor may not know a setting; torch.compile would reject the whole options dict."""
     monkeypatch.setattr("lkcnn.compile.INDUCTOR_SETTINGS", {**INDUCTOR_SETTINGS, "a_setting_from_the_future": 1})
     assert compile_options("default") == INDUCTOR_SETTINGS
+
+
+def _on_meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return timm.create_model(name)
+
+
+def test_a_network_compiles_with_its_own_settings_over_lkcnns(monkeypatch):
+    """RepLKNet's settings (its FFN's GELU gradient recomputed, docs/performance.md) go over lkcnn's for RepLKNet
+    alone; other networks compile with lkcnn's."""
+    replknet, unireplknet = _on_meta("replknet31b"), _on_meta("unireplknet_b")
+    assert network_settings(replknet) == {"realize_reads_threshold": 6, "realize_opcount_threshold": 40}
+    assert compile_options("default", replknet) == {**INDUCTOR_SETTINGS, **network_settings(replknet)}
+    assert network_settings(unireplknet) == {} and compile_options("default", unireplknet) == INDUCTOR_SETTINGS
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs["options"]))
+    compile_model(replknet, "default", {"realize_reads_threshold": 8})
+    assert seen == [{**compile_options("default", replknet), "realize_reads_threshold": 8}]  # the caller's last
+    monkeypatch.setattr(RepLKNet, "inductor_settings", {"a_setting_from_the_future": 1})
+    assert compile_options("default", replknet) == INDUCTOR_SETTINGS  # one this torch lacks is left out
 
 
 def _hidden_buffers_in_backward(settings: dict) -> int:

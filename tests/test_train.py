@@ -93,13 +93,15 @@ def test_compile_keeps_the_state_dict_keys(tmp_path):
 def test_compile_takes_lkcnns_inductor_settings(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs))
-    instantiate(make_cfg(tmp_path, *tiny("replknet_tiny")).module, compile="reduce-overhead")
-    assert seen == [{"options": compile_options("reduce-overhead")}]  # the mode's options and INDUCTOR_SETTINGS
+    module = instantiate(make_cfg(tmp_path, *tiny("replknet_tiny")).module, compile="reduce-overhead")
+    # the mode's options, INDUCTOR_SETTINGS and RepLKNet's own
+    assert seen == [{"options": compile_options("reduce-overhead", module.model)}]
+    assert seen[0]["options"]["realize_opcount_threshold"] == 40
     cfg = make_cfg(tmp_path, *tiny("replknet_tiny"), "module.compile=reduce-overhead",
                    "module.inductor={coordinate_descent_tuning:true,combo_kernels:false}")
     instantiate(cfg.module)
-    assert seen[-1] == {"options": {**compile_options("reduce-overhead"), "coordinate_descent_tuning": True,
-                                    "combo_kernels": False}}  # the config's settings over lkcnn's
+    assert seen[-1] == {"options": {**compile_options("reduce-overhead", module.model),
+                                    "coordinate_descent_tuning": True, "combo_kernels": False}}  # config's over lkcnn's
     with pytest.raises(ConfigError, match=r"^module.inductor: .* no inductor setting 'coordinate_descent'"):
         ClassificationModule(dict(cfg.model), dict(cfg.optim), inductor={"coordinate_descent": True})
 

@@ -32,11 +32,11 @@ from torch import nn
 from lkcnn.bench.e2e import COMPILE_MODE, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, parse_settings
+from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, network_settings, parse_settings
 from lkcnn.errors import UserError
 from lkcnn.ops import set_conv_impl
 
-DEFAULT = "lkcnn's compile settings"  # lkcnn.compile: inductor's defaults and INDUCTOR_SETTINGS
+DEFAULT = "lkcnn's compile settings"  # lkcnn.compile: inductor's defaults, INDUCTOR_SETTINGS, the network's
 INDUCTOR = ELEMENTWISE[1]
 HARNESS = (OTHER, "optimizer")  # a unit's loss and the CUDA graph's input copy: not the blocks' work (module doc)
 
@@ -120,12 +120,14 @@ def network_rows(name: str, batch: int, steps: int, variants: dict[str, dict[str
     for label, settings in variants.items():
         stages, total = [], {}
         for u in units:
-            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps, settings, top)
+            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps,
+                                 {**network_settings(model), **settings}, top)
             stages.append({"stage": u["stage"], "kinds": u["kinds"], "units": u["count"], "shape": list(u["shape"]),
                            "dtype": str(u["dtype"]).removeprefix("torch."), **report})
             for category, ms in report["gpu_ms_by_category"].items():
                 total[category] = total.get(category, 0.0) + ms * u["count"]
-        rows.append({"network": name, "variant": label, "settings": settings, "stages": stages,
+        rows.append({"network": name, "variant": label, "settings": settings,
+                     "network_inductor_settings": network_settings(model), "stages": stages,
                      "gpu_ms_by_category": total, "gpu_busy_ms": sum(total.values())})
         print(f"lkcnn-bench blocks: {name}, {label}: {rows[-1]['gpu_busy_ms']:.2f} ms", file=sys.stderr, flush=True)
     return rows

@@ -225,10 +225,12 @@ def measure(name: str, variants: Sequence[tuple[str, dict]], batch: int, out: Pa
     rewrites its graph, so each variant lowers a copy."""
     import torch._inductor.config as inductor_config
 
-    graphs = trace_step(timm.create_model(name), (batch, 3, 224, 224))
+    model = timm.create_model(name)
+    base = compile_options("default", model)  # lkcnn's settings and the network's, as lkcnn.compile compiles it
+    graphs = trace_step(model, (batch, 3, 224, 224))
     for variant, settings in variants:
         row: dict = {"network": name, "variant": variant, "settings": settings}
-        with fake_h200(), inductor_config.patch({**compile_options("default"), **settings}):
+        with fake_h200(), inductor_config.patch({**base, **settings}):
             for part in ("forward", "backward"):
                 gm, example_inputs = graphs[part]
                 code = lower(copy.deepcopy(gm), example_inputs, backward=part == "backward")

@@ -25,7 +25,7 @@ from torch import nn
 from lkcnn import timing
 from lkcnn.bench.profile import by_category, kernel_table, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import AUTO_COMPILE_MODE, INDUCTOR_SETTINGS, compile_model, parse_settings
+from lkcnn.compile import AUTO_COMPILE_MODE, INDUCTOR_SETTINGS, compile_model, network_settings, parse_settings
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
@@ -280,9 +280,11 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
             if key == "torch3" and not model.startswith("replknet"):
                 continue
             _, impl, kwargs = VARIANTS[key]
-            floor = norm_floor_gb(timm.create_model(model, **kwargs), common["batch"])
+            net = timm.create_model(model, **kwargs)
             rows.append({"network": model if key == "auto" else f"{model} 3x3", "model": model, "variant": key,
-                         **step_report(model, impl, channels_last=True, **common, **kwargs), "norm_floor_gb": floor})
+                         **step_report(model, impl, channels_last=True, **common, **kwargs),
+                         "norm_floor_gb": norm_floor_gb(net, common["batch"]),
+                         "network_inductor_settings": network_settings(net)})
             _progress(rows[-1], peer_row)
     rows.append(peer_row)
     peer_ips = peer_row["images_per_s"]
@@ -351,8 +353,13 @@ def record(samples: dict[str, list[float]], variants: dict[str, Job], args: argp
     """The `train_e2e` benchmark record: one row per variant (network, variant, median images/s, ratio, runs)."""
     ips_by_label = medians(samples)
     first = next(iter(ips_by_label.values()))
-    rows = [{"network": variants[label][0], "variant": label.split(": ", 1)[-1], "images_per_s": ips,
-             "ratio_to_first": ips / first, "runs": samples[label]} for label, ips in ips_by_label.items()]
+    rows = []
+    for label, ips in ips_by_label.items():
+        name, _, kwargs = variants[label]
+        with torch.device("meta"):  # the class's settings, without building the weights
+            settings = network_settings(timm.create_model(name, **kwargs)) if args.compile else None
+        rows.append({"network": name, "variant": label.split(": ", 1)[-1], "images_per_s": ips,
+                     "ratio_to_first": ips / first, "runs": samples[label], "network_inductor_settings": settings})
     method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized",
               "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
               "regime": regime(args), "dtype": "bf16 autocast",

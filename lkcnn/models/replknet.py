@@ -48,6 +48,13 @@ class RepLKNetStage(nn.Module):
 class RepLKNet(LkcnnModel, nn.Module):
     """RepLKNet: conv stem (stride 4) -> 4 stages of large-kernel blocks joined by transitions -> BN -> pool -> fc."""
 
+    # Inductor settings of this network over lkcnn's (lkcnn.compile.network_settings). In the ConvFFN's backward
+    # inductor writes the GELU's input gradient, da * gelu'(bn(z)), out in fp32 and reads it back in two kernels: it
+    # reads six inputs and takes ~30 operations, past both thresholds' defaults. With these both readers recompute it
+    # from da and z: +0.8% images/s on RepLKNet-31B's compiled step (one H200, three processes each way,
+    # docs/performance.md). UniRepLKNet-B's MLP backward moves 10.7 GB more under them, so they are RepLKNet's.
+    inductor_settings = {"realize_reads_threshold": 6, "realize_opcount_threshold": 40}
+
     def __init__(
             self,
             kernel_sizes: int | Sequence[int] = (31, 29, 27, 13),
