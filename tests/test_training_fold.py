@@ -1,0 +1,100 @@
+"""lkcnn.layers.training_fold: RepLKNet's pre-block BatchNorm folded into the next 1x1 conv while compiling a training
+step gives the plain modules' outputs, gradients and running statistics (float64, CPU; the speed is a GPU benchmark,
+docs/performance.md)."""
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lkcnn.layers import training_fold
+from lkcnn.layers.blocks import ConvFFN, RepLKBlock
+
+BLOCKS = {"ConvFFN": lambda: ConvFFN(8, 32), "RepLKBlock": lambda: RepLKBlock(8, 16, 7, 3)}
+
+
+def _randomized(block: nn.Module) -> nn.Module:
+    """Non-trivial BatchNorm parameters and running statistics, in float64."""
+    torch.manual_seed(1)
+    block = block.double()
+    for m in block.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.normal_()
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    return block
+
+
+def _step(block: nn.Module, x: torch.Tensor, probe: torch.Tensor,
+          folded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and input gradient of one training step; `folded` stands in for torch.compile's is_compiling()."""
+    x = x.clone().requires_grad_()
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: folded) if folded is not None else \
+            mock.patch.dict({}):
+        out = block(x)
+    (out * probe).sum().backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_folded_block_equals_the_plain_modules(name):
+    plain = _randomized(BLOCKS[name]()).train()
+    folded = copy.deepcopy(plain)
+    torch.manual_seed(2)
+    x = torch.randn(3, 8, 9, 9, dtype=torch.float64) * 2 + 1
+    probe = torch.randn(3, 8, 9, 9, dtype=torch.float64)
+    calls = []
+    real = training_fold._BatchStats.apply
+    with mock.patch.object(training_fold._BatchStats, "apply", lambda t: calls.append(1) or real(t)):
+        out_f, dx_f = _step(folded, x, probe, folded=True)
+    assert len(calls) == 2  # the fold ran: BN1's and BN2's statistics
+    out_p, dx_p = _step(plain, x, probe, folded=False)
+    torch.testing.assert_close(out_f, out_p, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dx_f, dx_p, rtol=1e-10, atol=1e-10)
+    for (key, p), (_, q) in zip(plain.named_parameters(), folded.named_parameters()):
+        assert q.grad is not None, key  # every parameter takes part (DDP requires it)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-10, msg=key)
+    pre_bn = folded.prelkb_bn if name == "RepLKBlock" else folded.preffn_bn
+    assert torch.count_nonzero(pre_bn.bias.grad) == 0  # the next BatchNorm removes any shift: exactly no gradient
+    for (key, a), (_, b) in zip(plain.named_buffers(), folded.named_buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=key)  # running statistics and counts
+    plain.eval()
+    folded.eval()
+    torch.testing.assert_close(folded(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("why", ["eager", "eval", "sync_batchnorm", "cumulative_average"])
+def test_the_plain_modules_run_where_the_fold_does_not_apply(why):
+    block = ConvFFN(8, 32).train()
+    if why == "eval":
+        block.eval()
+    elif why == "sync_batchnorm":
+        block.preffn_bn = nn.SyncBatchNorm(8)
+    elif why == "cumulative_average":
+        block.pw1.bn.momentum = None
+    with mock.patch.object(training_fold._BatchStats, "apply", side_effect=AssertionError("folded")), \
+            mock.patch.object(torch.compiler, "is_compiling", lambda: why != "eager"), \
+            mock.patch.object(nn.SyncBatchNorm, "forward", lambda self, x: x):  # needs a process group otherwise
+        block(torch.randn(2, 8, 5, 5))
+
+
+def test_compiled_training_step_equals_eager():
+    """torch.compile (inductor on the CPU) takes the folded form and matches the eager modules."""
+    plain = _randomized(ConvFFN(8, 32)).train()
+    compiled = copy.deepcopy(plain)
+    compiled.compile()
+    x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+    probe = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    out_c, dx_c = _step(compiled, x, probe)  # torch's own is_compiling(): True while the graph is traced
+    out_p, dx_p = _step(plain, x, probe)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out_c, out_p, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dx_c, dx_p, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(compiled.pw1.bn.running_mean, plain.pw1.bn.running_mean, rtol=1e-9, atol=1e-9)
+    # exactly zero only where the fold ran (the plain modules' is rounding noise)
+    assert torch.count_nonzero(compiled.preffn_bn.bias.grad) == 0 and torch.count_nonzero(plain.preffn_bn.bias.grad)
