@@ -16,10 +16,10 @@ from lkcnn.layers.blocks import ConvFFN, RepLKBlock
 BLOCKS = {"ConvFFN": lambda: ConvFFN(8, 32), "RepLKBlock": lambda: RepLKBlock(8, 16, 7, 3)}
 
 
-def _randomized(block: nn.Module) -> nn.Module:
-    """Non-trivial BatchNorm parameters and running statistics, in float64."""
+def _randomized(block: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """Non-trivial BatchNorm parameters and running statistics, in `dtype`."""
     torch.manual_seed(1)
-    block = block.double()
+    block = block.to(dtype)
     for m in block.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.weight.data.uniform_(0.5, 1.5)
@@ -40,31 +40,34 @@ def _step(block: nn.Module, x: torch.Tensor, probe: torch.Tensor,
     return out, x.grad
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-4)])
 @pytest.mark.parametrize("name", BLOCKS)
-def test_folded_block_equals_the_plain_modules(name):
-    plain = _randomized(BLOCKS[name]()).train()
+def test_folded_block_equals_the_plain_modules(name, dtype, tol):
+    plain = _randomized(BLOCKS[name](), dtype).train()
     folded = copy.deepcopy(plain)
     torch.manual_seed(2)
-    x = torch.randn(3, 8, 9, 9, dtype=torch.float64) * 2 + 1
-    probe = torch.randn(3, 8, 9, 9, dtype=torch.float64)
+    x = torch.randn(3, 8, 9, 9, dtype=dtype) * 2 + 1
+    probe = torch.randn(3, 8, 9, 9, dtype=dtype)
     calls = []
     real = training_fold._BatchStats.apply
     with mock.patch.object(training_fold._BatchStats, "apply", lambda t: calls.append(1) or real(t)):
         out_f, dx_f = _step(folded, x, probe, folded=True)
     assert len(calls) == 2  # the fold ran: BN1's and BN2's statistics
     out_p, dx_p = _step(plain, x, probe, folded=False)
-    torch.testing.assert_close(out_f, out_p, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(dx_f, dx_p, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out_f, out_p, rtol=tol, atol=tol)
+    torch.testing.assert_close(dx_f, dx_p, rtol=tol, atol=tol * dx_p.abs().max().item())
+    pre_bias = "prelkb_bn.bias" if name == "RepLKBlock" else "preffn_bn.bias"
     for (key, p), (_, q) in zip(plain.named_parameters(), folded.named_parameters()):
         assert q.grad is not None, key  # every parameter takes part (DDP requires it)
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-10, msg=key)
-    pre_bn = folded.prelkb_bn if name == "RepLKBlock" else folded.preffn_bn
-    assert torch.count_nonzero(pre_bn.bias.grad) == 0  # the next BatchNorm removes any shift: exactly no gradient
+        if key == pre_bias:  # the next BatchNorm removes any shift: no gradient, exactly (the plain one's is rounding)
+            assert torch.count_nonzero(q.grad) == 0 and p.grad.abs().max() <= tol * 10 * probe.numel()
+        else:
+            torch.testing.assert_close(q.grad, p.grad, rtol=tol * 10, atol=tol * p.grad.abs().max().item(), msg=key)
     for (key, a), (_, b) in zip(plain.named_buffers(), folded.named_buffers()):
-        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=key)  # running statistics and counts
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=key)  # running statistics and counts
     plain.eval()
     folded.eval()
-    torch.testing.assert_close(folded(x), plain(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(folded(x), plain(x), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("why", ["eager", "eval", "sync_batchnorm", "cumulative_average"])
