@@ -53,7 +53,7 @@ def bn_conv_bn(x: torch.Tensor, bn1: nn.Module, conv_bn: nn.Sequential) -> torch
     norms run the modules as they are."""
     conv, bn2 = conv_bn.conv, conv_bn.bn
     if not (torch.compiler.is_compiling() and _foldable(bn1) and _foldable(bn2) and conv.kernel_size == (1, 1)
-            and conv.groups == 1 and conv.bias is None):
+            and conv.stride == (1, 1) and conv.padding == (0, 0) and conv.groups == 1 and conv.bias is None):
         return conv_bn(bn1(x))
     count = x.numel() // x.shape[1]
     stats = torch.promote_types(x.dtype, torch.float32)
