@@ -7,7 +7,8 @@ BatchNorm after the conv, which subtracts its batch mean. Nothing reads or write
 that is one store of it in the forward and, in the backward, BN1's pass over the conv's input gradient and x for its
 two per-channel sums; the sum that remains, the gradient of BN1's scale, comes out of the conv's weight gradient
 (sum over the output channels of W * dW'). The left-out constant goes into BN2's running mean, so the running
-statistics and the eval-mode network are those of the plain pair (docs/performance.md, Open 5, has the A/B).
+statistics and the eval-mode network are those of the plain pair (docs/performance.md, "The current code against
+ConvNeXt-B", has the A/B).
 """
 from __future__ import annotations
 
