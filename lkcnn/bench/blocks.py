@@ -116,18 +116,18 @@ def network_rows(name: str, batch: int, steps: int, variants: dict[str, dict[str
     the step's block time (each category summed over the stages, times their unit counts)."""
     model = timm.create_model(name).cuda()
     units = stage_units(model)
+    own = network_settings(model)  # the units compile as the network does
     rows = []
     for label, settings in variants.items():
         stages, total = [], {}
         for u in units:
-            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps,
-                                 {**network_settings(model), **settings}, top)
+            report = unit_report(u["unit"], u["shape"], u["dtype"], batch, steps, {**own, **settings}, top)
             stages.append({"stage": u["stage"], "kinds": u["kinds"], "units": u["count"], "shape": list(u["shape"]),
                            "dtype": str(u["dtype"]).removeprefix("torch."), **report})
             for category, ms in report["gpu_ms_by_category"].items():
                 total[category] = total.get(category, 0.0) + ms * u["count"]
         rows.append({"network": name, "variant": label, "settings": settings,
-                     "network_inductor_settings": network_settings(model), "stages": stages,
+                     "network_inductor_settings": own, "stages": stages,
                      "gpu_ms_by_category": total, "gpu_busy_ms": sum(total.values())})
         print(f"lkcnn-bench blocks: {name}, {label}: {rows[-1]['gpu_busy_ms']:.2f} ms", file=sys.stderr, flush=True)
     return rows

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lkcnn.ops.sync_batchnorm import update_running_stats
+
 
 class _BatchStats(torch.autograd.Function):
     """Per-channel biased variance and mean over (N, H, W). Autograd's var_mean backward computes the mean again
@@ -44,8 +46,7 @@ def _foldable(bn: nn.Module) -> bool:
 def _update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
     with torch.no_grad():
         bn.num_batches_tracked.add_(1)
-        bn.running_mean.lerp_(mean, bn.momentum)
-        bn.running_var.lerp_(var * (count / max(count - 1, 1)), bn.momentum)  # unbiased, as BatchNorm keeps it
+        update_running_stats(bn.running_mean, bn.running_var, mean, var, count, bn.momentum)
 
 
 def bn_conv_bn(x: torch.Tensor, bn1: nn.Module, conv_bn: nn.Sequential) -> torch.Tensor:

@@ -79,10 +79,17 @@ def _global_statistics(x: Tensor, running_mean: Tensor | None, running_var: Tens
     means, variances = all_reduce_sum(slot * torch.stack([local_mean, local_var]), group.group_name).unbind(1)
     mean = means.mean(0)
     var = (variances + (means - mean).square()).mean(0)
-    if running_mean is not None:  # as torch's BatchNorm: the unbiased variance goes into the running estimate
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
+    if running_mean is not None:
+        update_running_stats(running_mean, running_var, mean, var, count, momentum)
     return mean, torch.rsqrt(var + eps)
+
+
+def update_running_stats(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, count: int,
+                         momentum: float) -> None:
+    """BatchNorm's exponential running estimates, in place, from a batch's mean and biased variance over `count`
+    values per channel: as torch's BatchNorm, the unbiased variance goes into the running estimate."""
+    running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+    running_var.lerp_((var * (count / max(count - 1, 1))).to(running_var.dtype), momentum)
 
 
 def _channel_axes(x: Tensor) -> tuple[tuple[int, ...], list[int]]:
