@@ -79,26 +79,38 @@ def _emulate_autocast(model: nn.Module) -> None:
             module.to(torch.bfloat16).register_forward_pre_hook(to16)
 
 
+# cuDNN keeps a channels_last input's layout, as the real step's output code shows
+_CUDNN_LAYOUT = (torch._C, "_conv_determine_backend_memory_format", lambda x, w, backend: (
+    torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    else torch.contiguous_format))
+
+
 def trace_step(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[torch.fx.GraphModule, list]]:
     """The forward and backward graphs (with their example inputs) torch.compile would hand inductor for a training
     step of `model` on a bf16 channels_last batch, traced on the meta device."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     graphs: dict[str, tuple[torch.fx.GraphModule, list]] = {}
 
     def capture(name):
         def compiler(gm, example_inputs):
             graphs[name] = (gm, list(example_inputs))
-            return make_boxed_func(gm)
+
+            def run(*args):  # through the Python meta kernels, which see the layout patch; ATen's C++ ones do not
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    return gm(*args)
+            return make_boxed_func(run)
         return compiler
 
     model = _Tupled(model.to("meta").to(memory_format=torch.channels_last))
     _emulate_autocast(model)
     x = torch.empty(*input_shape, device="meta", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
-    # traced as torch.compile traces it: modules that take another form when compiled take it here too
-    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
+    # traced as torch.compile traces it on the GPU: modules that take another form when compiled take it here too,
+    # and convolutions keep the layout cuDNN keeps
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: True), mock.patch.object(*_CUDNN_LAYOUT):
         step = aot_module_simplified(
             model, [x.requires_grad_()], fw_compiler=capture("forward"), bw_compiler=capture("backward"),
             decompositions=select_decomp_table(),
@@ -132,10 +144,7 @@ def fake_h200() -> Iterator[None]:
         (scheduler, "has_triton", lambda: True),
         (fake_tensor, "init_gpu_context", lambda *_: None),  # torch 2.11 makes a real CUDA tensor there
         (triton_utils, "triton_hash_with_backend", lambda: "fake-h200"),
-        # cuDNN keeps a channels_last input's layout, as the real step's output code shows
-        (torch._C, "_conv_determine_backend_memory_format", lambda x, w, backend: (
-            torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-            else torch.contiguous_format)),
+        _CUDNN_LAYOUT,
     ]
     with contextlib.ExitStack() as stack:
         for owner, name, value in patches:
