@@ -36,6 +36,23 @@ class _BatchStats(torch.autograd.Function):
         return (x - mean[:, None, None]) * (2 * dvar / count)[:, None, None] + (dmean / count)[:, None, None]
 
 
+class _CentredGemm(torch.autograd.Function):
+    """`x @ w + centre` for the conv on BN1's input x. Its weight gradient `x.T @ dz` holds `mean ⊗ sum(dz)`: zero in
+    exact arithmetic (BN2 makes dz sum to zero) but, through x's mean, the rounding of a 16-bit dz made large. The
+    backward GEMM subtracts it in its fp32 accumulator, which makes the weight gradient that of the centred input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, centre: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, mean)
+        return torch.addmm(centre, x, w)
+
+    @staticmethod
+    def backward(ctx, dz: torch.Tensor):
+        x, w, mean = ctx.saved_tensors
+        offset = torch.outer(mean, dz.sum(0, dtype=mean.dtype)).to(x.dtype)
+        return dz @ w.t(), torch.addmm(offset, x.t(), dz, beta=-1), None, None
+
+
 def _foldable(bn: nn.Module) -> bool:
     """A plain training-mode BatchNorm2d with an exponential running average (SyncBatchNorm and the cumulative
     average keep their own forward)."""
@@ -51,25 +68,38 @@ def _update_running(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, c
 
 def bn_conv_bn(x: torch.Tensor, bn1: nn.Module, conv_bn: nn.Sequential) -> torch.Tensor:
     """`conv_bn(bn1(x))` for `conv_bn` = bias-free 1x1 conv -> BatchNorm2d (-> `nonlinear`), folded while compiling
-    a training step (torch.compile: inductor fuses what is left into its neighbours' passes); eager, eval and other
-    norms run the modules as they are."""
+    a channels_last training step (torch.compile: inductor fuses what is left into its neighbours' passes); eager,
+    eval, NCHW and other norms run the modules as they are."""
     conv, bn2 = conv_bn.conv, conv_bn.bn
     if not (torch.compiler.is_compiling() and _foldable(bn1) and _foldable(bn2) and conv.kernel_size == (1, 1)
-            and conv.stride == (1, 1) and conv.padding == (0, 0) and conv.groups == 1 and conv.bias is None):
+            and conv.stride == (1, 1) and conv.padding == (0, 0) and conv.groups == 1 and conv.bias is None
+            and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)):
         return conv_bn(bn1(x))
-    count = x.numel() // x.shape[1]
+    n, c, h, w = x.shape
+    count = x.numel() // c
     stats = torch.promote_types(x.dtype, torch.float32)
     var, mean = _BatchStats.apply(x.to(stats))
     scale = bn1.weight * torch.rsqrt(var + bn1.eps)
-    weight = conv.weight.reshape(conv.out_channels, conv.in_channels).to(stats)
+    weight = conv.weight.reshape(conv.out_channels, c).to(stats) * scale
+    # The conv runs on x, not on BN1's centred output, so its output carries the constant weight @ (scale * mean),
+    # which can be large next to the signal. Stored in 16 bits it would cost the signal that much precision, so the
+    # GEMM's epilogue subtracts it in fp32 (a bias, detached: BN2 removes any constant, so it has no gradient). The
+    # 1x1 conv is a GEMM on the channels_last view, where cuBLAS applies the bias in its epilogue. The weight
+    # gradient has the same trouble, and _CentredGemm's backward the same remedy.
+    # (torch.amp.is_autocast_available would break torch 2.11's graph: its dynamo cannot trace it)
+    amp = x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type)
+    gemm = torch.get_autocast_dtype(x.device.type) if amp else x.dtype
+    centre = -(weight @ mean).detach()
+    z = _CentredGemm.apply(x.permute(0, 2, 3, 1).reshape(count, c).to(gemm), weight.t().to(gemm), centre.to(gemm),
+                           mean.detach())
+    z = z.reshape(n, h, w, -1).permute(0, 3, 1, 2)
+    var2, mean2 = _BatchStats.apply(z.to(stats))
     # What the conv of BN1's output adds to every position, and BN2 subtracts. beta1 has no other effect on a
     # training-mode output; through this zero-weighted term it keeps its (zero) gradient, so DDP and the optimizer
     # see every parameter take part in the step.
-    shift = weight @ (bn1.bias - scale * mean)
-    z = F.conv2d(x, (weight * scale).to(x.dtype).reshape(conv.weight.shape))
-    var2, mean2 = _BatchStats.apply(z.to(stats))
+    shift = conv.weight.reshape(conv.out_channels, c).to(stats) @ bn1.bias
     _update_running(bn1, mean, var, count)
-    _update_running(bn2, mean2 + shift.detach(), var2, count)
+    _update_running(bn2, mean2 + shift.detach() + (centre - centre.to(gemm).to(stats)), var2, count)
     scale2 = bn2.weight * torch.rsqrt(var2 + bn2.eps)
     bias2 = bn2.bias + 0 * shift
     y = ((z.to(stats) - mean2[:, None, None]) * scale2[:, None, None] + bias2[:, None, None]).to(z.dtype)
