@@ -7,12 +7,10 @@ from timm.layers import DropPath
 
 from .conv_bn import conv_bn
 from .reparam_conv import DilatedBranches, ReparamLargeKernelConv
-from .training_fold import bn_conv_bn
 
 
 class RepLKBlock(nn.Module):
-    """BN -> 1x1 conv-BN-ReLU -> large depthwise re-param conv -> ReLU -> 1x1 conv-BN, plus residual. Compiled for
-    training, the first BN trains folded into the 1x1 conv (training_fold)."""
+    """BN -> 1x1 conv-BN-ReLU -> large depthwise re-param conv -> ReLU -> 1x1 conv-BN, plus residual."""
 
     def __init__(self, in_chs: int, dw_chs: int, kernel_size: int | tuple[int, int], small_kernel: int | None,
                  drop_path: float = 0.0, dilated_branches: DilatedBranches = False, deploy: bool = False) -> None:
@@ -25,13 +23,12 @@ class RepLKBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.pw2(self.lk_nonlinear(self.large_kernel(bn_conv_bn(x, self.prelkb_bn, self.pw1))))
+        out = self.pw2(self.lk_nonlinear(self.large_kernel(self.pw1(self.prelkb_bn(x)))))
         return x + self.drop_path(out)
 
 
 class ConvFFN(nn.Module):
-    """BN -> 1x1 conv-BN -> GELU -> 1x1 conv-BN, plus residual. Compiled for training, the first BN trains folded into
-    the 1x1 conv (training_fold)."""
+    """BN -> 1x1 conv-BN -> GELU -> 1x1 conv-BN, plus residual."""
 
     def __init__(self, in_chs: int, hidden_chs: int, drop_path: float = 0.0) -> None:
         super().__init__()
@@ -42,4 +39,4 @@ class ConvFFN(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop_path(self.pw2(self.nonlinear(bn_conv_bn(x, self.preffn_bn, self.pw1))))
+        return x + self.drop_path(self.pw2(self.nonlinear(self.pw1(self.preffn_bn(x)))))
