@@ -353,13 +353,13 @@ def record(samples: dict[str, list[float]], variants: dict[str, Job], args: argp
     """The `train_e2e` benchmark record: one row per variant (network, variant, median images/s, ratio, runs)."""
     ips_by_label = medians(samples)
     first = next(iter(ips_by_label.values()))
-    rows = []
-    for label, ips in ips_by_label.items():
-        name, _, kwargs = variants[label]
-        with torch.device("meta"):  # the class's settings, without building the weights
-            settings = network_settings(timm.create_model(name, **kwargs)) if args.compile else None
-        rows.append({"network": name, "variant": label.split(": ", 1)[-1], "images_per_s": ips,
-                     "ratio_to_first": ips / first, "runs": samples[label], "network_inductor_settings": settings})
+    settings = {}  # per network: its class's settings (the variants' kwargs do not change the class)
+    if args.compile:
+        with torch.device("meta"):  # without building the weights
+            settings = {name: network_settings(timm.create_model(name)) for name in {v[0] for v in variants.values()}}
+    rows = [{"network": variants[label][0], "variant": label.split(": ", 1)[-1], "images_per_s": ips,
+             "ratio_to_first": ips / first, "runs": samples[label],
+             "network_inductor_settings": settings.get(variants[label][0])} for label, ips in ips_by_label.items()]
     method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized",
               "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
               "regime": regime(args), "dtype": "bf16 autocast",
