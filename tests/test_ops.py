@@ -53,6 +53,21 @@ def test_explicit_padding_and_channels_last():
         assert y.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["nhwc", "nchw"])
+def test_pytorch_input_gradient_runs_in_the_gradients_layout(layout):
+    """The PyTorch path's input gradient is autograd's, computed in the incoming gradient's layout: a channels_last
+    gradient must not detour through NCHW kernels (on a GPU, cuDNN's NCHW depthwise kernels and two copies)."""
+    from lkcnn.ops import reference
+
+    x = torch.randn(2, 8, 13, 11, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
+    w = torch.randn(8, 1, 7, 7, dtype=torch.float64)
+    y = F.conv2d(x, w, None, 1, [6, 6], 2, 8)
+    g = torch.randn_like(y)
+    dx = reference.grad_input(g, w, [6, 6], 2)
+    assert dx.is_contiguous(memory_format=layout)
+    torch.testing.assert_close(dx, torch.autograd.grad(y, x, g)[0], rtol=0, atol=1e-12)
+
+
 def test_weight_gradient_keeps_the_weights_layout():
     """A channels_last weight gets a channels_last gradient (the layout contract DDP's gradient buckets rely on)."""
     x, w, b = _rand_case(7, 5)
