@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lkcnn.ops import build, conv_impl, dwconv, dwconv2d, set_conv_impl, sources, use_conv_impl
+from lkcnn.ops import build, conv_impl, dwconv, dwconv2d, reference, set_conv_impl, sources, use_conv_impl
 
 
 def _rand_case(kh, kw, bias=True):
@@ -57,8 +57,6 @@ def test_explicit_padding_and_channels_last():
 def test_pytorch_input_gradient_runs_in_the_gradients_layout(layout):
     """The PyTorch path's input gradient is autograd's, computed in the incoming gradient's layout: a channels_last
     gradient must not detour through NCHW kernels (on a GPU, cuDNN's NCHW depthwise kernels and two copies)."""
-    from lkcnn.ops import reference
-
     x = torch.randn(2, 8, 13, 11, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
     w = torch.randn(8, 1, 7, 7, dtype=torch.float64)
     y = F.conv2d(x, w, None, 1, [6, 6], 2, 8)

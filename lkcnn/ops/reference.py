@@ -14,7 +14,8 @@ def grad_input(grad_out: Tensor, weight: Tensor, padding: list[int], dilation: i
     # What autograd runs for F.conv2d's input gradient. The input's values are not read, only its layout, from
     # which the convolution picks NHWC or NCHW kernels: a 'same' conv's input has grad_out's shape, so grad_out
     # stands in for it. (torch.nn.grad.conv2d_input passes an expanded scalar, which has no channels_last layout:
-    # cuDNN then ran a channels_last gradient through NCHW kernels and copies, 3-8x slower.)
+    # cuDNN then ran a channels_last gradient through NCHW kernels and copies: 3.4x slower for a 5x5 at 128 channels,
+    # 56x56, batch 64, bf16, on an H200.)
     return torch.ops.aten.convolution_backward(grad_out, grad_out, weight, None, [1, 1], padding, [dilation] * 2,
                                                False, [0, 0], weight.shape[0], (True, False, False))[0]
 
