@@ -195,23 +195,27 @@ __global__ void __launch_bounds__(kThreads, 2) branches_conv_kernel(const __grid
   if (BWD) store_strip(p.dst[0], g, n, h, w0, c, acc);
 }
 
-// The weight gradient of one kernel row i of a K x K, dilation-R branch: acc[j][e] += dy[n, h, w0 + o] * x[n, h - P +
-// R i, w0 + o - P + R j] over the thread's strips, then summed over the block's threads of one channel group and
-// added to dw (the branch's rows of the table).
+// The weight gradient of one kernel row i of a K x K, dilation-R branch: acc[j][e] += dy[n, h, w] * x[n, h - P + R i,
+// w - P + R j] over the thread's strips, then summed over the block's threads of one channel group and added to dw
+// (the branch's rows of the table). A strip is kV output columns R apart (w = q + R (c kV + o), o < kV, for residue q
+// and chunk c), so tap j of output o meets input column t = o + j of the strip's R-spaced window: kV + K - 1 loads
+// of x per strip, each used by up to min(K, kV) taps, at any dilation (kV + R (K - 1) loads of contiguous columns).
 template <int K, int R, typename T>
 __device__ __forceinline__ void wgrad_row(const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw,
                                           const Geom& g, int i, int64_t row_begin, int64_t row_end, int c, int gi,
                                           int groups_in_block, int slot, int slots, bool active, float* red) {
-  constexpr int P = R * (K - 1) / 2, WIN = kV + R * (K - 1), VEC = Vec<T>::n;
+  constexpr int P = R * (K - 1) / 2, WIN = kV + K - 1, VEC = Vec<T>::n;
   float acc[K][VEC];
 #pragma unroll
   for (int j = 0; j < K; ++j)
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[j][e] = 0.f;
-  const int64_t units = (row_end - row_begin) * g.strips;
+  const int strips = R * ((g.W + R * kV - 1) / (R * kV));  // R residue classes, each in chunks of kV columns
+  const int64_t units = (row_end - row_begin) * strips;
   for (int64_t u = slot; active && u < units; u += slots) {
-    const int64_t r = row_begin + u / g.strips;
-    const int w0 = int(u % g.strips) * kV;
+    const int64_t r = row_begin + u / strips;
+    const int s = int(u % strips);
+    const int w0 = s % R + R * (s / R) * kV;  // the strip's first output column; the others R apart
     const int h = int(r % g.H), n = int(r / g.H);
     const int hi = h - P + R * i;
     if (hi < 0 || hi >= g.H) continue;
@@ -219,8 +223,8 @@ __device__ __forceinline__ void wgrad_row(const T* __restrict__ dy, const T* __r
     const T* drow = dy + (int64_t(n) * g.H + h) * g.W * g.C + c;
 #pragma unroll
     for (int o = 0; o < kV; ++o) {
-      if (w0 + o < g.W) {
-        Vec<T>::load(drow + int64_t(w0 + o) * g.C, d[o]);
+      if (w0 + R * o < g.W) {
+        Vec<T>::load(drow + int64_t(w0 + R * o) * g.C, d[o]);
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) d[o][e] = 0.f;
@@ -228,14 +232,14 @@ __device__ __forceinline__ void wgrad_row(const T* __restrict__ dy, const T* __r
     }
     const T* xrow = x + (int64_t(n) * g.H + hi) * g.W * g.C + c;
 #pragma unroll
-    for (int q = 0; q < WIN; ++q) {
-      const int col = w0 - P + q;
+    for (int t = 0; t < WIN; ++t) {
+      const int col = w0 - P + R * t;
       if (col < 0 || col >= g.W) continue;
       float xv[VEC];
       Vec<T>::load(xrow + int64_t(col) * g.C, xv);
 #pragma unroll
       for (int j = 0; j < K; ++j) {
-        const int o = q - R * j;
+        const int o = t - j;
         if (o < 0 || o >= kV) continue;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[j][e] = fmaf(d[o][e], xv[e], acc[j][e]);
