@@ -94,7 +94,8 @@ def dwconv2d_branches_bwd_weight(grad_outs: list[Tensor], x: Tensor, kernel_size
                                  dilations: list[int]) -> list[Tensor]:
     # In 16 bits cuDNN's weight gradient of an undilated depthwise kernel is 1.4-2.6x lkcnn's branch kernel at
     # RepLKNet's 5x5 shapes (docs/kernels.md), so those branches take it; the dilated ones, where cuDNN is slow, and
-    # fp32 (where it is slower at the deeper stages) stay on the branch kernel
+    # fp32 stay on the branch kernel (cuDNN's autotuned fp32 one is faster at 14-56 rows, unmeasured under training's
+    # heuristics and TF32)
     ours = ([b for b, r in enumerate(dilations) if r != 1 or x.dtype == torch.float32]
             if uses_kernels(x, kernel_sizes, dilations) else [])
     grads = [reference.grad_weight(g, x, [k, k], [r * (k // 2)] * 2, r).contiguous() if b not in ours else None
