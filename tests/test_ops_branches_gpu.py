@@ -1,6 +1,6 @@
 """GPU correctness of lkcnn's small-branch kernels (csrc/dwconv/dwconv_branches.cu, and dwconv_branches_tc.cu for the
-forward and input gradient of one 16-bit dilation-1 branch on maps taller than 8 rows; in 16 bits the undilated
-branches' weight gradients are cuDNN's, the dilated ones' the branch kernel's) against a float64 reference:
+forward and input gradient of one 16-bit dilation-1 branch on maps taller than 8 rows; the undilated branches'
+weight gradients are cuDNN's, the dilated ones' the branch kernel's) against a float64 reference:
 every branch set the models use, every dtype, channels_last (the kernels' layout) and NCHW (PyTorch's path). Fresh
 random inputs each run (the seed is in the failure message), outputs poisoned with NaN before each launch."""
 from __future__ import annotations

@@ -169,8 +169,8 @@ void bind_dwconv(pybind11::module_& m) {
         py::arg("w"), py::arg("ks"), py::arg("rs"), py::arg("ys"));
   m.def("branches_bwd_input", &lkcnn::branches_bwd_input, "the input gradient summed over the branches, written "
         "into dx", py::arg("grad_outs"), py::arg("w"), py::arg("ks"), py::arg("rs"), py::arg("dx"));
-  m.def("branches_wgrad", &lkcnn::branches_wgrad, "every branch's weight gradient as one fp32 (taps, C) table",
-        py::arg("grad_outs"), py::arg("x"), py::arg("ks"), py::arg("rs"));
+  m.def("branches_wgrad", &lkcnn::branches_wgrad, "every (dilated) branch's weight gradient as one fp32 (taps, C) "
+        "table", py::arg("grad_outs"), py::arg("x"), py::arg("ks"), py::arg("rs"));
   m.def("path", &lkcnn::path_name, "which kernels run the forward (or the weight gradient) of x (N, C, H, W) with a "
         "kh x kw kernel: 'map_tc' (whole-map tensor-core), 'small' (whole-map FMA), 'strip' or 'tiled'", py::arg("x"),
         py::arg("kh"), py::arg("kw"), py::arg("forward") = true);

@@ -1,8 +1,9 @@
 // Several small depthwise convolutions (k x k taps, dilation r, "same" padding) of one channels_last input, each pass
 // in one launch: the forward writes every branch's output from one read of x, the input gradient sums every
-// branch's contribution from their output gradients in one write of dx, the weight gradient computes every
-// branch's kernel gradient. These are the re-parameterizable blocks' small branches: RepLKNet's 5x5 next to the
-// large kernel, UniRepLKNet's dilated branches (5x5 r1, 7x7 r2, 3x3 r3-5 next to its 13x13).
+// branch's contribution from their output gradients in one write of dx, the weight gradient computes every dilated
+// branch's kernel gradient (an undilated branch's is cuDNN's, which is faster there). These are the
+// re-parameterizable blocks' small branches: RepLKNet's 5x5 next to the large kernel, UniRepLKNet's dilated branches
+// (5x5 r1, 7x7 r2, 3x3 r3-5 next to its 13x13).
 //
 // Such a pass is bound by memory (a 5x5 pass over a bf16 map moves 4 bytes per 25 FMAs per channel), so the kernels
 // read NHWC directly, where one pixel's channels are contiguous: a thread owns VEC channels (16 bytes) of V = 4
@@ -298,10 +299,14 @@ __global__ void __launch_bounds__(kThreads, 2) branches_wgrad_kernel(const __gri
   const int b = rt.branch[krow], i = rt.row[krow];
   float* dwb = dw + int64_t(br.tap0[b]) * g.C;
   int next = 0;
+  // Dilated branches only: an undilated one's weight gradient is cuDNN's (branches_wgrad checks).
 #define LKCNN_CASE(K, R)                                                                                     \
-  if (br.code[b] == next++)                                                                                  \
-    return wgrad_row<K, R>(p.src[b], p.src[kMaxBranches - 1], dwb, g, i, row_begin, row_end, c, gi,          \
-                           groups_in_block, slot, slots, active, red);
+  if (br.code[b] == next++) {                                                                                \
+    if constexpr (R > 1)                                                                                     \
+      wgrad_row<K, R>(p.src[b], p.src[kMaxBranches - 1], dwb, g, i, row_begin, row_end, c, gi,               \
+                      groups_in_block, slot, slots, active, red);                                            \
+    return;                                                                                                  \
+  }
   LKCNN_BRANCH_SHAPES(LKCNN_CASE)
 #undef LKCNN_CASE
 }
@@ -440,6 +445,8 @@ void branches_bwd_input(const std::vector<at::Tensor>& dys, const at::Tensor& w,
 at::Tensor branches_wgrad(const std::vector<at::Tensor>& dys, const at::Tensor& x, const std::vector<int64_t>& ks,
                           const std::vector<int64_t>& rs) {
   const Branches br = checked(x, dys, nullptr, ks, rs, "lkcnn dwconv2d_branches weight gradient");
+  for (auto r : rs)
+    TORCH_CHECK(r > 1, "lkcnn dwconv2d_branches weight gradient: dilated branches only (cuDNN's is faster undilated)");
   const c10::cuda::CUDAGuard guard(x.device());
   int64_t taps = 0;
   for (auto k : ks) taps += k * k;

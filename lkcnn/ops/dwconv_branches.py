@@ -4,7 +4,7 @@ the parallel small branches of a re-parameterizable block (RepLKNet's 5x5, UniRe
 
 On a GPU, a channels_last input runs on lkcnn's NHWC kernels (csrc/dwconv/dwconv_branches.cu): one launch reads x
 once and writes every branch's output, one writes the input gradient summed over the branches, one computes the
-weight gradients (in 16 bits an undilated branch's comes from cuDNN, which is faster there). Where those kernels do
+weight gradients (an undilated branch's comes from cuDNN, which is faster there). Where those kernels do
 not apply (the CPU, an NCHW input, channels not a multiple of 16 bytes, a (k, r) without a kernel, more than 7
 branches) each branch runs PyTorch's convolution, as `nn.Conv2d` would; so does every call under
 `set_conv_impl('torch')` or `set_branch_kernels(False)`. Either way each pass is one registered op, so torch.compile
@@ -92,12 +92,10 @@ def _(grad_outs: list[Tensor], weights: list[Tensor], dilations: list[int]) -> T
 @torch.library.custom_op("lkcnn::dwconv2d_branches_bwd_weight", mutates_args=())
 def dwconv2d_branches_bwd_weight(grad_outs: list[Tensor], x: Tensor, kernel_sizes: list[int],
                                  dilations: list[int]) -> list[Tensor]:
-    # In 16 bits cuDNN's weight gradient of an undilated depthwise kernel is 1.4-2.6x lkcnn's branch kernel at
-    # RepLKNet's 5x5 shapes (docs/kernels.md), so those branches take it; the dilated ones, where cuDNN is slow, and
-    # fp32 stay on the branch kernel (cuDNN's autotuned fp32 one is faster at 14-56 rows, unmeasured under training's
-    # heuristics and TF32)
-    ours = ([b for b, r in enumerate(dilations) if r != 1 or x.dtype == torch.float32]
-            if uses_kernels(x, kernel_sizes, dilations) else [])
+    # cuDNN's weight gradient of an undilated depthwise kernel is faster than lkcnn's branch kernel at RepLKNet's 5x5
+    # shapes (1.4-2.6x in 16 bits, 1.2-2.1x in fp32 at 14-56 rows; docs/kernels.md), so those branches take it; the
+    # dilated ones, where cuDNN is slow, take the branch kernel
+    ours = [b for b, r in enumerate(dilations) if r != 1] if uses_kernels(x, kernel_sizes, dilations) else []
     grads = [reference.grad_weight(g, x, [k, k], [r * (k // 2)] * 2, r).contiguous() if b not in ours else None
              for b, (g, k, r) in enumerate(zip(grad_outs, kernel_sizes, dilations))]
     if ours:
