@@ -93,8 +93,8 @@ def _(grad_outs: list[Tensor], weights: list[Tensor], dilations: list[int]) -> T
 def dwconv2d_branches_bwd_weight(grad_outs: list[Tensor], x: Tensor, kernel_sizes: list[int],
                                  dilations: list[int]) -> list[Tensor]:
     # cuDNN's weight gradient of an undilated depthwise kernel is faster than lkcnn's branch kernel at RepLKNet's 5x5
-    # shapes (1.4-2.6x in 16 bits, 1.2-2.1x in fp32 at 14-56 rows; docs/kernels.md), so those branches take it; the
-    # dilated ones, where cuDNN is slow, take the branch kernel
+    # shapes (1.4-2.6x in 16 bits, 1.4-2.0x in fp32 at 14-56 rows, slower only at 7 rows; docs/kernels.md), so those
+    # branches take it; the dilated ones, where cuDNN is slow, take the branch kernel
     ours = [b for b, r in enumerate(dilations) if r != 1] if uses_kernels(x, kernel_sizes, dilations) else []
     grads = [reference.grad_weight(g, x, [k, k], [r * (k // 2)] * 2, r).contiguous() if b not in ours else None
              for b, (g, k, r) in enumerate(zip(grad_outs, kernel_sizes, dilations))]
