@@ -1,7 +1,7 @@
-// The forward and input gradient of one small depthwise branch (k x k taps, k <= 9, dilation 1: RepLKNet's 5x5) on
-// a channels_last 16-bit input more than 8 rows tall, on the tensor cores. The SIMT kernels of dwconv_branches.cu
-// issue two instructions that unpack 16-bit operands for every FMA; here the products run as mma.sync.m16n8k16 with
-// fp32 accumulation, and a lane spends one byte permute per operand register.
+// The forward and input gradient of one small depthwise branch (k x k taps, k = 3, 5 or 7, dilation 1: RepLKNet's
+// 5x5) on a channels_last 16-bit input more than 8 rows tall, on the tensor cores. The SIMT kernels of
+// dwconv_branches.cu issue two instructions that unpack 16-bit operands for every FMA; here the products run as
+// mma.sync.m16n8k16 with fp32 accumulation, and a lane spends one byte permute per operand register.
 //
 // The product: for one channel, output rows h0 .. h0 + 15 of a sample (the mma's M) and output columns n0 .. n0 + 7
 // (N), kernel row i contributes A[m][k] = x[h0 + m - p + i][n0 - p + k] (16 input columns, K) times the Toeplitz
@@ -9,11 +9,14 @@
 // every channel has its own mma; a warp owns 8 channels (one 16-byte word of a pixel), and since the fragments of
 // its 8 mmas sit at the same (row, column) positions for every channel, each lane takes a pixel's 8 channels with
 // one 16-byte shared-memory load and splits them into the 8 channels' operand registers with one byte permute per
-// pair of pixels. The outputs leave the same way: a lane packs its 8 channels of a pixel into one 16-byte store.
+// pair of pixels. The outputs leave the same way: a lane packs its 8 channels of a pixel into one 16-byte word.
 //
-// A block is 8 warps, 64 channels (one 128-byte line per pixel): for each 8-column block it copies the
-// (16 + k - 1) x 16 input pixels its rows and columns reach into shared memory (cp.async, the next block's while
-// this one's is multiplied), laid out so that every fragment load is free of bank conflicts.
+// A block is 8 warps, 64 channels (one 128-byte line per pixel), 16 rows of a sample, and walks the row's 8-column
+// output blocks. Output block b reads the input columns of 8-column chunks b and b + 1, so the block keeps a ring of
+// three chunks in shared memory (cp.async, chunk b + 2 copied while block b is multiplied): each input pixel is
+// copied once, where copying each output block's 16 columns copied it twice and made the kernel wait on L2. The
+// results go out through shared memory too, one 128-byte line per pixel: a warp's own 16-byte stores would fill
+// half of each 32-byte sector. Every layout is free of bank conflicts.
 #include "band_mma.cuh"
 #include "dwconv.h"
 #include "tile.cuh"
@@ -27,8 +30,7 @@ namespace {
 
 constexpr int kWarps = 8;        // one 8-channel group each: 64 channels per block
 constexpr int kTileRows = 16;    // output rows per block (the mma's M)
-constexpr int kTileCols = 16;    // staged input columns per 8-column output block (the mma's K)
-constexpr int kMaxK = 9;         // 8 output columns + k - 1 input columns fit the 16 staged ones
+constexpr int kMaxK = 7;         // the branch op's undilated shapes; 8 + k - 1 input columns fit two 8-column chunks
 
 // The 16-bit element e of the 16-byte word v (e = 0 .. 7) paired with that of u: (v[e], u[e]) as one mma operand
 // register, v's element in the low half.
@@ -39,12 +41,14 @@ __device__ __forceinline__ uint32_t pair(const uint4& v, const uint4& u, int e) 
 }
 
 // Shared-memory layouts in 16-byte units. A staged pixel is 9 units (its 8 channel groups and one of padding) and
-// a staged row 16 pixels and one unit, so unit (row, col, cg) = row * kRowUnits + col * 9 + cg falls in bank group
+// a chunk row 8 pixels and one unit, so unit (row, col, cg) = row * kRowUnits + col * 9 + cg falls in bank group
 // (row + col + cg) mod 8: the 8 lanes of a quarter-warp (two adjacent rows, four column pairs, one channel group)
 // read 8 different bank groups, and every address is linear in the row (a kernel row is a constant step). The tap
-// table is laid out the same way: unit (tap, cg) = tap * 9 + cg.
+// table (unit (tap, cg) = tap * 9 + cg) and the output tile (16 rows of a chunk's shape) are laid out the same way.
 constexpr int kPixelUnits = kWarps + 1;
-constexpr int kRowUnits = kTileCols * kPixelUnits + 1;
+constexpr int kChunkCols = 8;
+constexpr int kRowUnits = kChunkCols * kPixelUnits + 1;
+constexpr int kRing = 3;  // chunks b and b + 1 being multiplied, b + 2 being copied
 
 // 16 bytes from global to shared memory, asynchronously; zeros where !valid (src is then not read).
 __device__ __forceinline__ void copy16(uint4* dst, const void* src, bool valid) {
@@ -66,13 +70,14 @@ template <> __device__ __forceinline__ uint32_t pack_out<c10::Half>(float lo, fl
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-constexpr int tile_units(int k) { return (kTileRows + k - 1) * kRowUnits; }
+constexpr int chunk_units(int k) { return (kTileRows + k - 1) * kRowUnits; }
 constexpr int tap_units(int k) { return k * k * kPixelUnits; }
-constexpr int smem_bytes(int k) { return (tap_units(k) + 2 * tile_units(k)) * 16; }
+constexpr int out_units() { return kTileRows * kRowUnits; }
+constexpr int smem_bytes(int k) { return (tap_units(k) + kRing * chunk_units(k) + out_units()) * 16; }
 
 // dst = src correlated with w (FLIP: with w flipped in both axes, the input gradient), 'same' padding. w: the
 // (k * k, C) tap table in the tensors' dtype. Block: (channel block, row tile, sample), channel block fastest.
-// Shared memory: the block's taps, then two tiles: the next column block's is copied while this one's is multiplied.
+// Shared memory: the block's taps, the ring of input chunks, the output tile.
 template <typename T, int K, bool FLIP>
 __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __restrict__ src, const T* __restrict__ w,
                                                                 T* __restrict__ dst, int H, int W, int C,
@@ -80,38 +85,45 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
   constexpr int P = K / 2, ROWS = kTileRows + K - 1;
   extern __shared__ uint4 smem[];
   uint4* taps = smem;
-  uint4* tiles = smem + tap_units(K);
+  uint4* ring = smem + tap_units(K);
+  uint4* out_tile = ring + kRing * chunk_units(K);
   const int cb = blockIdx.x % channel_blocks, rt = blockIdx.x / channel_blocks % row_tiles;
   const int n = blockIdx.x / channel_blocks / row_tiles;
   const int h0 = rt * kTileRows, rows = min(kTileRows, H - h0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int c = cb * 64 + warp * 8;
+  const int64_t sample = int64_t(n) * H * W * C;
 
-  // Staging: this thread copies channel group s_cg of column s_col, rows s_row0 + 2 * it, of every tile.
-  const int s_cg = threadIdx.x % kWarps, s_col = threadIdx.x / kWarps % kTileCols, s_row0 = threadIdx.x / 128;
-  const int s_ci = cb * 64 + s_cg * 8;
-  const T* s_src = src + int64_t(n) * H * W * C + s_ci;
-  const int s_unit = s_row0 * kRowUnits + s_col * kPixelUnits + s_cg;
-  const auto stage = [&](int n0, uint4* tile) {
-    const int wi = n0 - P + s_col;
-    const bool col_ok = wi >= 0 && wi < W && s_ci < C;
-#pragma unroll 5
-    for (int it = 0; it < ROWS / 2; ++it) {  // ROWS is even for odd K
-      const int hi = h0 - P + s_row0 + 2 * it;
-      const bool valid = col_ok && hi >= 0 && hi < H;
-      copy16(tile + s_unit + 2 * it * kRowUnits, valid ? s_src + (int64_t(hi) * W + wi) * C : src, valid);
+  // Copying and writing out: this thread moves channel group m_cg of column m_col, rows m_row0 + 4 * it, of every
+  // chunk and of the output tile (eight threads a pixel's 128-byte line).
+  const int m_cg = threadIdx.x % kWarps, m_col = threadIdx.x / kWarps % kChunkCols, m_row0 = threadIdx.x / 64;
+  const int m_ci = cb * 64 + m_cg * 8;
+  const int m_unit = m_row0 * kRowUnits + m_col * kPixelUnits + m_cg;
+  const auto stage = [&](int chunk) {
+    const int wi = chunk * kChunkCols - P + m_col;
+    const bool col_ok = wi >= 0 && wi < W && m_ci < C;
+    uint4* slot = ring + chunk % kRing * chunk_units(K) + m_unit;
+#pragma unroll 1
+    for (int it = 0; it < (ROWS + 3) / 4; ++it) {
+      if (m_row0 + 4 * it < ROWS) {
+        const int hi = h0 - P + m_row0 + 4 * it;
+        const bool valid = col_ok && hi >= 0 && hi < H;
+        copy16(slot + 4 * it * kRowUnits, valid ? src + sample + (int64_t(hi) * W + wi) * C + m_ci : src, valid);
+      }
     }
   };
   for (int s = threadIdx.x; s < K * K * kWarps; s += kWarps * 32) {
     const int tap = s / kWarps, cg = s % kWarps, ci = cb * 64 + cg * 8;
     copy16(taps + tap * kPixelUnits + cg, ci < C ? w + int64_t(tap) * C + ci : w, ci < C);
   }
-  stage(0, tiles);
+  const int blocks = (W + 7) / 8;  // output blocks; they read chunks 0 .. blocks
+  stage(0);
+  stage(1);
   copy_commit();
 
   // B: this lane's Toeplitz taps j = k - g for its k = 2t, 2t + 1, 2t + 8, 2t + 9 (B's rows) and column g, as units
   // of kernel row 0 (a kernel row is a step of K taps, down for the flipped kernel). A: the units of its pixels, rows
-  // g and g + 8 and columns 2t, 2t + 1 and 8 further, at kernel row 0 (kernel row i is i rows down).
+  // g and g + 8 and columns 2t, 2t + 1 of the block's two chunks, at kernel row 0 (kernel row i is i rows down).
   int b_unit[4];
   bool b_ok[4];
 #pragma unroll
@@ -122,19 +134,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
   }
   const int a_unit = g * kRowUnits + 2 * t * kPixelUnits + warp;
 
-  const int blocks = (W + 7) / 8;
   for (int nb = 0; nb < blocks; ++nb) {
     const int n0 = nb * 8;
-    if (nb + 1 < blocks) {
-      stage(n0 + 8, tiles + ((nb + 1) & 1) * tile_units(K));
+    if (nb + 2 <= blocks) {  // the chunk block nb + 1 reads beside nb + 1's; its slot held nb - 1's
+      stage(nb + 2);
       copy_commit();
       copy_wait<1>();
     } else {
       copy_wait<0>();
     }
-    __syncthreads();  // this column block's tile (and the taps) are in
+    __syncthreads();  // chunks nb and nb + 1 (and the taps) are in; the last block's output tile is written out
     if (c < C) {
-      const uint4* a_src = tiles + (nb & 1) * tile_units(K) + a_unit;
+      const uint4* a_lo = ring + nb % kRing * chunk_units(K) + a_unit;
+      const uint4* a_hi = ring + (nb + 1) % kRing * chunk_units(K) + a_unit;
       float acc[8][4];
 #pragma unroll
       for (int e = 0; e < 8; ++e)
@@ -146,32 +158,36 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
         uint4 wv[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) wv[q] = b_ok[q] ? taps[b_unit[q] + b_step] : make_uint4(0, 0, 0, 0);
-        const uint4* a_row = a_src + i * kRowUnits;
         uint4 px[8];
 #pragma unroll
-        for (int q = 0; q < 8; ++q)  // (row g or g + 8, column 2t or 2t + 1, or 8 further)
-          px[q] = a_row[((q >> 1) & 1) * 8 * kRowUnits + ((q & 1) + (q >> 2) * 8) * kPixelUnits];
+        for (int q = 0; q < 8; ++q)  // (row g or g + 8, column 2t or 2t + 1, of chunk nb or nb + 1)
+          px[q] = ((q >> 2) ? a_hi : a_lo)[i * kRowUnits + ((q >> 1) & 1) * 8 * kRowUnits + (q & 1) * kPixelUnits];
 #pragma unroll
         for (int e = 0; e < 8; ++e)
           mma16816<T>(acc[e], pair(px[0], px[1], e), pair(px[2], px[3], e), pair(px[4], px[5], e),
                       pair(px[6], px[7], e), pair(wv[0], wv[1], e), pair(wv[2], wv[3], e));
       }
       // acc[e] = (row g, columns 2t, 2t + 1), (row g + 8, the same columns) of channel c + e.
-      T* out = dst + int64_t(n) * H * W * C + c;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int row = g + (q >> 1) * 8, col = n0 + 2 * t + (q & 1);
-        if (row < rows && col < W) {
-          uint4 v;
-          v.x = pack_out<T>(acc[0][q], acc[1][q]);
-          v.y = pack_out<T>(acc[2][q], acc[3][q]);
-          v.z = pack_out<T>(acc[4][q], acc[5][q]);
-          v.w = pack_out<T>(acc[6][q], acc[7][q]);
-          *reinterpret_cast<uint4*>(out + (int64_t(h0 + row) * W + col) * C) = v;
-        }
+        uint4 v;
+        v.x = pack_out<T>(acc[0][q], acc[1][q]);
+        v.y = pack_out<T>(acc[2][q], acc[3][q]);
+        v.z = pack_out<T>(acc[4][q], acc[5][q]);
+        v.w = pack_out<T>(acc[6][q], acc[7][q]);
+        out_tile[(g + (q >> 1) * 8) * kRowUnits + (2 * t + (q & 1)) * kPixelUnits + warp] = v;
       }
     }
-    __syncthreads();  // every warp is done with this tile before the next stage overwrites it
+    __syncthreads();  // the output tile is complete, and every warp is done with chunk nb, whose slot is refilled next
+    const int col = n0 + m_col;
+    if (m_ci < C && col < W) {
+      T* out = dst + sample + int64_t(h0) * W * C + int64_t(col) * C + m_ci;
+#pragma unroll
+      for (int it = 0; it < kTileRows / 4; ++it) {
+        const int row = m_row0 + 4 * it;
+        if (row < rows) *reinterpret_cast<uint4*>(out + int64_t(row) * W * C) = out_tile[m_unit + 4 * it * kRowUnits];
+      }
+    }
   }
 }
 
@@ -194,8 +210,7 @@ void launch(const at::Tensor& src, const at::Tensor& w, const at::Tensor& dst, i
   switch (k) {
     case 3: return launch_k<T, 3, FLIP>(src, w, dst);
     case 5: return launch_k<T, 5, FLIP>(src, w, dst);
-    case 7: return launch_k<T, 7, FLIP>(src, w, dst);
-    default: return launch_k<T, 9, FLIP>(src, w, dst);
+    default: return launch_k<T, 7, FLIP>(src, w, dst);
   }
 }
 
