@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) branch_tc_kernel(const T* __re
 
   for (int nb = 0; nb < blocks; ++nb) {
     const int n0 = nb * 8;
-    if (nb + 2 <= blocks) {  // the chunk block nb + 1 reads beside nb + 1's; its slot held nb - 1's
+    if (nb + 2 <= blocks) {  // chunk nb + 2, which block nb + 1 reads, into the slot chunk nb - 1 held
       stage(nb + 2);
       copy_commit();
       copy_wait<1>();
