@@ -226,19 +226,22 @@ def test_map_tc_wide_forward(dtype):
 def test_wide_maps(layout):
     """The fp32 whole-map kernels for maps 17-32 wide (seed 32x32 with 31x31, RepLKNet's s2 28x28 with 29x29): rows
     of 28 and 32 columns, maps narrower than that, a map taller than wide whose weight gradient stages grad_out in
-    chunks of rows (32 rows), a rectangular kernel, batches that leave the last 32-sample block part empty; the
-    fp16/bf16 weight gradient stays on the banded tensor-core kernels at these sizes."""
+    chunks of rows (32 rows), rectangular kernels, kernels from 9 columns wide (most computed column pairs then
+    padding: 9x9 on a 17-wide map), batches that leave the last 32-sample block part empty; the fp16/bf16 weight
+    gradient stays on the banded tensor-core kernels at these sizes."""
     ext = build.load()
     cases = [((40, 3, 32, 32), (31, 31)), ((33, 4, 28, 28), (29, 29)), ((16, 2, 30, 29), (31, 27)),
-             ((20, 3, 32, 24), (5, 31)), ((17, 2, 21, 27), (27, 25)), ((64, 2, 32, 32), (31, 31))]
+             ((20, 3, 32, 24), (5, 31)), ((17, 2, 21, 27), (27, 25)), ((64, 2, 32, 32), (31, 31)),
+             ((40, 3, 32, 32), (9, 9)), ((33, 2, 17, 17), (9, 9)), ((20, 3, 24, 24), (17, 17)),
+             ((16, 2, 28, 20), (13, 15)), ((18, 2, 32, 19), (31, 9))]
     for (n, c, h, w), (kh, kw) in cases:
         x = torch.empty(n, c, h, w, device="cuda")
         assert ext.path(x, kh, kw) == "small", f"{(n, c, h, w)} with {kh}x{kw} skips the whole-map kernels"
         assert ext.path(x.bfloat16(), kh, kw, forward=False) == ext.path(x.half(), kh, kw, forward=False) == "tiled"
         check_case(n, c, h, w, kh, kw, torch.float32, layout, bias=random.random() < 0.5)
-    # kernels wider than 31 and mostly padded column pairs go to the banded kernels
+    # kernels wider than 31 or narrower than 9 go to the tiled kernels
     assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 33, 33) == "tiled"
-    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 9, 9) == "tiled"
+    assert ext.path(torch.empty(32, 1, 32, 32, device="cuda"), 9, 7) == "tiled"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -10,8 +10,9 @@
 // these, exact for the 7, 14 and 28 of 224-px inputs) meets the kernel row through E, the channel's kernel
 // re-indexed by offset (E[a][b] = w[a - (H-1) + ph][b - R + pw], zero outside the kernel). Rows are visited only
 // where the kernel reaches; columns within R are all visited (R is a compile-time constant, so the pairs past it
-// cost nothing), so callers send a map here only where most computed column pairs are taps (small_map_fits). All
-// lanes of a warp run the same loop (lanes differ only in the sample), and E is read with broadcast loads.
+// cost nothing). Callers send a small map here where most computed column pairs are taps, a wide one from kernels
+// 9 columns wide on (small_map_fits). All lanes of a warp run the same loop (lanes differ only in the sample), and
+// E is read with broadcast loads.
 //
 // Up to 16 columns ("small"): R = MW - 1 (every pair); forward warps own two output rows, all in one pass.
 // 28 and 32 columns ("wide"): R = 15 (kernels up to 31 wide),
@@ -367,12 +368,16 @@ bool small_map_fits(const at::Tensor& t, int64_t kw) {
   if (mw <= 16 && H > 16) return false;  // the small forward's one pass of 8 warps x 2 rows
   if (mw > 16 && pw > L.R) return false;
   if (fwd_smem(int(H), L) > smem_limit() || wgrad_smem(int(H), 1, L) > smem_limit()) return false;
+  // Wide maps: kernels 9 or more columns wide. The whole-map kernels' time grows with the kernel's rows alone,
+  // the tiled SIMT kernels' with its area, so from 9 columns on the whole-map kernels are 0.4-0.8x the tiled ones
+  // on every 17-32-wide map even where a fifth of the column pairs they compute are taps (a 17-wide map with 9x9);
+  // at 7 columns the two trade places by map width (docs/kernels.md, "Whole-map FMA kernels").
+  if (mw > 16) return pw >= 4;
+  // Small maps: at least half the computed column pairs are taps.
   int64_t taps = 0, computed = 0;
   for (int64_t q = 0; q < W; ++q) taps += std::min(W - 1, q + pw) - std::max<int64_t>(0, q - pw) + 1;
   for (int q = 0; q < mw; ++q) computed += std::min(mw - 1, q + L.R) - std::max(0, q - L.R) + 1;
-  // Most of the computed column pairs taps: half for small maps, two thirds for wide ones, which compete with the
-  // fp32 SIMT kernels' ~70% useful lanes.
-  return mw <= 16 ? 2 * taps >= computed : 3 * taps >= 2 * computed;
+  return 2 * taps >= computed;
 }
 
 void launch_dwconv_fwd_small(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y,
