@@ -84,7 +84,7 @@ def test_decode_paths_compared_on_generated_jpegs(tmp_path):
     for row in record["rows"]:
         workers, rate, per_worker, needed = rows[row["what"]]
         assert row["images_per_s"] == rate > 0 and abs(per_worker * min(workers, len(os.sched_getaffinity(0))) - rate) < 0.1 * rate
-        assert abs(needed * per_worker - 1280) < 0.01 * 1280
+        assert abs(needed - 1280 / per_worker) < 0.0051  # printed to two decimals: a fast worker's 0.21 is 0.2133
     (gpu_row,) = [row for row in record["rows"] if row["what"] == "decode=gpu"]
     stages = gpu_row["stage_ms"]
     assert list(stages) == ["decode", "crop+resize+flip", "RandAugment", "normalize+erase"], stages
