@@ -117,6 +117,22 @@ def test_select_configs_quick_and_filters():
         bench.select_configs(["seed"], [29])
 
 
+def test_select_configs_takes_shapes_written_out():
+    """A shape outside the set, NxCxHxW, is timed at the kernel sizes --ks names (the set's shapes at theirs)."""
+    picked = bench.select_configs(["64x384x24x24", "seed"], [13, 9], ["fp32"])
+    seed = bench.SHAPES["seed"]
+    assert [(c.shape, c.nchw, c.k) for c in picked] == [
+        ("64x384x24x24", (64, 384, 24, 24), 9), ("64x384x24x24", (64, 384, 24, 24), 13), ("seed", seed, 9),
+        ("seed", seed, 13)]
+    with pytest.raises(ValueError, match="needs --ks"):
+        bench.select_configs(["8x4x17x17"])
+    with pytest.raises(ValueError, match="must be odd"):
+        bench.select_configs(["8x4x17x17"], [8])
+    for bad in ("8x4x17", "8x0x17x17", "8x4x17xW"):
+        with pytest.raises(ValueError, match=f"unknown shape {bad}; .* or NxCxHxW"):
+            bench.select_configs([bad], [9])
+
+
 def test_input_sets_rotate_past_l2():
     for _ in range(20):
         size = random.uniform(1e3, 2 * bench.L2_BYTES)

@@ -178,21 +178,38 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- selection, anchors
+def parse_shape(name: str) -> tuple[int, int, int, int] | None:
+    """(N, C, H, W) of a shape written NxCxHxW (e.g. 64x384x24x24), or None where `name` is not one."""
+    parts = name.split("x")
+    if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        return None
+    n, c, h, w = map(int, parts)
+    return n, c, h, w
+
+
 def select_configs(shapes: Iterable[str] | None = None, ks: Iterable[int] | None = None,
                    dtypes: Iterable[str] | None = None, quick: bool = False,
                    channels_last: bool = False) -> list[Config]:
-    """The configs to run: every (shape, k, dtype) of the set (or of --quick) that passes the filters."""
+    """The configs to run: every (shape, k, dtype) of the set (or of --quick) that passes the filters. A shape
+    written NxCxHxW is timed at the kernel sizes `ks` names (the set's own shapes at theirs)."""
     table = QUICK_KERNEL_SIZES if quick else KERNEL_SIZES
     shapes, dtypes = list(shapes or SHAPES), list(dtypes or DTYPES)
-    for kind, names, known in (("shape", shapes, SHAPES), ("dtype", dtypes, DTYPES)):
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            raise ValueError(f"unknown {kind} {', '.join(unknown)}; choose from {', '.join(known)}")
-    wanted = None if ks is None else set(ks)
-    configs = [Config(shape, SHAPES[shape], k, dtype, channels_last) for shape in shapes for k in table[shape]
-               if wanted is None or k in wanted for dtype in dtypes]
+    sizes = {name: SHAPES.get(name) or parse_shape(name) for name in shapes}
+    for kind, names, known in (("shape", [name for name in shapes if sizes[name] is None], SHAPES),
+                               ("dtype", [name for name in dtypes if name not in DTYPES], DTYPES)):
+        if names:
+            extra = " or NxCxHxW (e.g. 64x384x24x24)" if kind == "shape" else ""
+            raise ValueError(f"unknown {kind} {', '.join(names)}; choose from {', '.join(known)}{extra}")
+    if ks is None and any(name not in SHAPES for name in shapes):
+        raise ValueError("a shape given as NxCxHxW needs --ks, the kernel sizes to time on it (e.g. --ks 9,13)")
+    wanted = None if ks is None else sorted(set(ks))
+    if wanted and any(k < 1 or k % 2 == 0 for k in wanted):
+        raise ValueError(f"kernel sizes must be odd ('same' padding); got {','.join(map(str, wanted))}")
+    configs = [Config(shape, sizes[shape], k, dtype, channels_last) for shape in shapes
+               for k in (table[shape] if shape in SHAPES else wanted) if wanted is None or k in wanted
+               for dtype in dtypes]
     if not configs:
-        offered = "; ".join(f"{shape}: {','.join(map(str, table[shape]))}" for shape in shapes)
+        offered = "; ".join(f"{shape}: {','.join(map(str, table[shape]))}" for shape in shapes if shape in table)
         raise ValueError(f"no kernel size in {sorted(wanted or [])} is benchmarked for these shapes "
                          f"({offered}{' with --quick' if quick else ''})")
     return configs
@@ -461,8 +478,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="lkcnn-bench", description="Time lkcnn's depthwise-conv passes against PyTorch's best backend on a GPU.",
         epilog="The other benchmarks: lkcnn-bench e2e (training steps of whole networks), loader (the input "
                "pipeline), app (where the training app's step time goes); each takes --help.")
-    parser.add_argument("--shapes", type=_csv(str.strip), help=f"comma list of {','.join(SHAPES)} (default all)")
-    parser.add_argument("--ks", type=_csv(int), help="comma list of kernel sizes to keep (default all of the shape)")
+    parser.add_argument("--shapes", type=_csv(str.strip),
+                        help=f"comma list of {','.join(SHAPES)} or NxCxHxW shapes (default the set's five)")
+    parser.add_argument("--ks", type=_csv(int),
+                        help="comma list of kernel sizes to keep (default all of the shape; NxCxHxW shapes: these)")
     parser.add_argument("--dtypes", type=_csv(str.strip), help=f"comma list of {','.join(DTYPES)} (default all)")
     parser.add_argument("--quick", action="store_true", help="seed k9 and k31, s1..s4 at their large kernel only")
     parser.add_argument("--json", default="bench.json", help="where to write the record (default bench.json)")
