@@ -50,3 +50,16 @@ def test_runs_in_fast_mode(path, tmp_path, monkeypatch):
     NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
     assert all(cell.execution_count for cell in _code_cells(nb))
+
+
+@pytest.mark.slow
+def test_kernel_speed_draws_a_record_with_shapes_written_out(tmp_path, monkeypatch):
+    """A record of `lkcnn.bench --shapes 64x384x24x24,... --ks ...` (shapes outside the set) draws like the set's."""
+    record = NOTEBOOK_DIR.parent / "benchmarks" / "h200_kernels_fp32_wide_maps.json"
+    monkeypatch.setenv("LKCNN_NB_FAST", "1")
+    monkeypatch.setenv("LKCNN_NB_OUT", str(tmp_path))
+    monkeypatch.setenv("LKCNN_NB_BENCH_JSON", str(record))
+    nb = nbformat.read(NOTEBOOK_DIR / "01_kernel_speed.ipynb", as_version=4)
+    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
+    assert (tmp_path / "kernel_speedup.png").stat().st_size > 0
