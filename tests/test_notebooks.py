@@ -38,17 +38,25 @@ def test_committed_valid_and_without_outputs(path):
     assert nb.metadata.kernelspec.name == "python3"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_runs_in_fast_mode(path, tmp_path, monkeypatch):
+def _run_fast(path: Path, out: Path, monkeypatch, **env: str) -> nbformat.NotebookNode:
+    """Run a notebook in fast mode, writing into `out`, with `env` (LKCNN_NB_BENCH_JSON=...) and none of a user's."""
     monkeypatch.setenv("LKCNN_NB_FAST", "1")
-    monkeypatch.setenv("LKCNN_NB_OUT", str(tmp_path))  # runs, exports and plots go here, not into the checkout
+    monkeypatch.setenv("LKCNN_NB_OUT", str(out))  # runs, exports and plots go here, not into the checkout
     for name in ("LKCNN_NB_BENCH_JSON", "LKCNN_NB_CHECKPOINT", "LKCNN_NB_ABLATION_DIR"):
         monkeypatch.delenv(name, raising=False)  # the notebooks' own fast-mode paths, not a user's files
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     nb = nbformat.read(path, as_version=4)
     # raises CellExecutionError, with the failing cell and its traceback, at the first error
     NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
+    return nb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_runs_in_fast_mode(path, tmp_path, monkeypatch):
+    nb = _run_fast(path, tmp_path, monkeypatch)
     assert all(cell.execution_count for cell in _code_cells(nb))
 
 
@@ -56,10 +64,5 @@ def test_runs_in_fast_mode(path, tmp_path, monkeypatch):
 def test_kernel_speed_draws_a_record_with_shapes_written_out(tmp_path, monkeypatch):
     """A record of `lkcnn.bench --shapes 64x384x24x24,... --ks ...` (shapes outside the set) draws like the set's."""
     record = NOTEBOOK_DIR.parent / "benchmarks" / "h200_kernels_fp32_wide_maps.json"
-    monkeypatch.setenv("LKCNN_NB_FAST", "1")
-    monkeypatch.setenv("LKCNN_NB_OUT", str(tmp_path))
-    monkeypatch.setenv("LKCNN_NB_BENCH_JSON", str(record))
-    nb = nbformat.read(NOTEBOOK_DIR / "01_kernel_speed.ipynb", as_version=4)
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK_DIR)}}).execute()
+    _run_fast(NOTEBOOK_DIR / "01_kernel_speed.ipynb", tmp_path, monkeypatch, LKCNN_NB_BENCH_JSON=str(record))
     assert (tmp_path / "kernel_speedup.png").stat().st_size > 0

@@ -195,18 +195,18 @@ def select_configs(shapes: Iterable[str] | None = None, ks: Iterable[int] | None
     table = QUICK_KERNEL_SIZES if quick else KERNEL_SIZES
     shapes, dtypes = list(shapes or SHAPES), list(dtypes or DTYPES)
     sizes = {name: SHAPES.get(name) or parse_shape(name) for name in shapes}
-    for kind, names, known in (("shape", [name for name in shapes if sizes[name] is None], SHAPES),
-                               ("dtype", [name for name in dtypes if name not in DTYPES], DTYPES)):
-        if names:
-            extra = " or NxCxHxW (e.g. 64x384x24x24)" if kind == "shape" else ""
-            raise ValueError(f"unknown {kind} {', '.join(names)}; choose from {', '.join(known)}{extra}")
-    if ks is None and any(name not in SHAPES for name in shapes):
+    if unknown := [name for name in shapes if sizes[name] is None]:
+        raise ValueError(f"unknown shape {', '.join(unknown)}; choose from {', '.join(SHAPES)} or NxCxHxW "
+                         "(e.g. 64x384x24x24)")
+    if unknown := [name for name in dtypes if name not in DTYPES]:
+        raise ValueError(f"unknown dtype {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
+    if ks is None and any(name not in table for name in shapes):
         raise ValueError("a shape given as NxCxHxW needs --ks, the kernel sizes to time on it (e.g. --ks 9,13)")
     wanted = None if ks is None else sorted(set(ks))
     if wanted and any(k < 1 or k % 2 == 0 for k in wanted):
         raise ValueError(f"kernel sizes must be odd ('same' padding); got {','.join(map(str, wanted))}")
     configs = [Config(shape, sizes[shape], k, dtype, channels_last) for shape in shapes
-               for k in (table[shape] if shape in SHAPES else wanted) if wanted is None or k in wanted
+               for k in (table[shape] if shape in table else wanted) if wanted is None or k in wanted
                for dtype in dtypes]
     if not configs:
         offered = "; ".join(f"{shape}: {','.join(map(str, table[shape]))}" for shape in shapes if shape in table)
