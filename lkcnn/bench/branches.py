@@ -31,6 +31,8 @@ CASES: dict[str, tuple[tuple[int, int, int, int], tuple[tuple[int, int], ...]]] 
     "unireplknet_b s2 k13": ((64, 256, 28, 28), UNIREP13),
     "unireplknet_b s3 k13": ((64, 512, 14, 14), UNIREP13),
     "unireplknet_b s4 k13": ((64, 1024, 7, 7), UNIREP13),
+    "unireplknet_b s1 3x3": ((64, 128, 56, 56), ((3, 1),)),
+    "unireplknet_b s3 3x3": ((64, 512, 14, 14), ((3, 1),)),
 }
 WAYS = ("lkcnn_branches", "cudnn", "lkcnn_dense")
 
