@@ -24,27 +24,31 @@ if [ ! -d "$base/lkcnn" ]; then
 fi
 base=$(cd "$base" && pwd)
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}  # keyed by the sources' hash
-tree() { if [ "$1" = A ]; then echo "$base"; else echo "$PWD"; fi; }
+# in_tree A|B CMD...: CMD in that tree's root, importing that tree's lkcnn
+in_tree() {
+  local root=$PWD
+  [ "$1" = A ] && root=$base
+  shift
+  (cd "$root" && PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} "$@")
+}
 
 if [ "${BUILD:-1}" = 1 ]; then
   t0=$(date +%s)
-  pids=()
+  declare -A rc
+  in_tree A $PY -m lkcnn.ops.build >"$OUT/build_A.log" 2>&1 &
+  pid=$!
+  in_tree B $PY -m lkcnn.ops.build >"$OUT/build_B.log" 2>&1
+  rc[B]=$?
+  wait "$pid"; rc[A]=$?
   for t in A B; do
-    (cd "$(tree $t)" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} $PY -m lkcnn.ops.build >"$OUT/build_$t.log" 2>&1) &
-    pids+=($!)
-  done
-  for i in 0 1; do
-    if ! wait "${pids[$i]}"; then
-      t=$([ "$i" = 0 ] && echo A || echo B)
-      echo "== build $t failed:"; tail -20 "$OUT/build_$t.log"; exit 1
-    fi
+    if [ "${rc[$t]}" != 0 ]; then echo "== build $t failed:"; tail -20 "$OUT/build_$t.log"; exit 1; fi
   done
   echo "== builds: $(( $(date +%s) - t0 )) s"
 fi
 for r in $(seq "${ROUNDS:-1}"); do
   for t in A B; do
     export AB_OUT=$OUT/$t$r
-    (cd "$(tree $t)" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} bash -c "$1" >"$AB_OUT.log" 2>&1)
+    in_tree $t bash -c "$1" >"$AB_OUT.log" 2>&1
     echo "== $t$r (rc=$?):"
     tail -n "${TAIL:-3}" "$AB_OUT.log"
   done
