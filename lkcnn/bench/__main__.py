@@ -1,5 +1,5 @@
-"""`python -m lkcnn.bench [kernels|branches|blocks|e2e|loader|app|deploy8|codegen] ...` (`lkcnn-bench`): one entry
-point for lkcnn's benchmarks.
+"""`python -m lkcnn.bench [kernels|branches|blocks|e2e|rates|loader|app|deploy8|codegen] ...` (`lkcnn-bench`):
+one entry point for lkcnn's benchmarks.
 
 Without a subcommand it runs the kernel benchmark, so `python -m lkcnn.bench --quick` means what it always has.
 Only the chosen benchmark's module is imported.
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 # modules of lkcnn.bench, each with main(argv)
-COMMANDS = ("kernels", "branches", "blocks", "e2e", "loader", "app", "deploy8", "codegen")
+COMMANDS = ("kernels", "branches", "blocks", "e2e", "rates", "loader", "app", "deploy8", "codegen")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
