@@ -48,6 +48,7 @@ def test_rows_join_the_code_and_the_profile_most_time_lost_first():
 @pytest.mark.parametrize("argv, message", [
     (["--models", "no_such_net"], "not timm model names"),
     (["--models", "unireplknet_a", "--runs", "cuda3"], "no such variant"),
+    (["--inductor", "combo_kernel=True"], "no inductor setting 'combo_kernel'"),
 ])
 def test_mistakes_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -3,7 +3,7 @@ Each kernel's bytes, counted in the output code that inductor generated for this
 count: its pointer arguments' whole buffers once), over its GPU time inside the step (torch.profiler), the kernels
 that lose the most time against the copy rate first:
 
-    python -m lkcnn.bench rates --models unireplknet_b [--runs auto] [--top 30] [--json FILE]
+    python -m lkcnn.bench rates --models unireplknet_b [--runs auto] [--top 30] [--inductor K=V,...] [--json FILE]
 
 Why: the fused normalization kernels of RepLKNet and UniRepLKNet move ~1.2x their floor's bytes and take 2-3x its
 time (docs/performance.md, Open 5), so what is left is their rate, kernel by kernel. Inductor's own report
@@ -26,6 +26,7 @@ from lkcnn.bench.codegen import family, kernel_bytes
 from lkcnn.bench.e2e import COMPILE_MODE, VARIANTS, copy_bandwidth_gbps, jobs, release, setup
 from lkcnn.bench.profile import profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
+from lkcnn.compile import parse_settings
 
 
 def step_bytes(codes: Sequence[str]) -> Counter:
@@ -66,12 +67,15 @@ def by_family(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[dict[str
     return sorted(out, key=lambda r: r["lost_ms"], reverse=True)
 
 
-def measure(model: str, impl: str, batch: int, steps: int, warmup: int, **model_kwargs) -> tuple[Counter, list]:
-    """(bytes per step by kernel, the profiled kernels over `steps` steps) of one compiled network: its first step
-    compiles it (fresh, so that inductor generates the code rather than loading it from its cache)."""
+def measure(model: str, impl: str, batch: int, steps: int, warmup: int, inductor: dict[str, Any] | None = None,
+            **model_kwargs) -> tuple[Counter, list]:
+    """(bytes per step by kernel, the profiled kernels over `steps` steps) of one compiled network, with `inductor`'s
+    settings over lkcnn's and the network's: its first step compiles it (fresh, so that inductor generates the code
+    rather than loading it from its cache)."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
-    step, state = setup(model, impl, batch, channels_last=True, compile=COMPILE_MODE, **model_kwargs)
+    step, state = setup(model, impl, batch, channels_last=True, compile=COMPILE_MODE, inductor=inductor,
+                        **model_kwargs)
     with fresh_cache():
         _, codes = run_and_get_code(step)
     for _ in range(warmup):
@@ -101,8 +105,14 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--steps", type=int, default=5, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=5, help="steps between the compiling one and the profile")
     parser.add_argument("--top", type=int, default=25, help="kernels and families listed")
+    parser.add_argument("--inductor", default="", metavar="KEY=VALUE[,...]",
+                        help="torch._inductor.config settings over lkcnn's and the network's")
     parser.add_argument("--json", default="", help="write a train_rates benchmark record here")
     args = parser.parse_args(argv)
+    try:
+        args.inductor = parse_settings(args.inductor)
+    except ValueError as err:
+        parser.error(f"--inductor: {err}")
     missing = [m for m in args.models if not timm.is_model(m)]
     if missing:
         parser.error(f"--models: {missing} are not timm model names (lkcnn's are registered by `import lkcnn`)")
@@ -116,7 +126,7 @@ def main(argv: Sequence[str]) -> None:
     rows = []
     for model in args.models:
         (_, impl, kwargs), = picked[model].values()
-        nbytes, kernels = measure(model, impl, args.batch, args.steps, args.warmup, **kwargs)
+        nbytes, kernels = measure(model, impl, args.batch, args.steps, args.warmup, args.inductor, **kwargs)
         kernel_rows = rate_rows(nbytes, kernels, args.steps, copy_gbps)
         families = by_family(kernel_rows, copy_gbps)
         ms, gb = sum(r["ms"] for r in kernel_rows), sum(r["gb"] for r in kernel_rows)
@@ -126,7 +136,7 @@ def main(argv: Sequence[str]) -> None:
               + (f"; {len(unnamed)} profiled Triton kernels not in the code" if unnamed else ""))
         print("\n".join(table(families, args.top, "family")))
         print("\n".join(table(kernel_rows, args.top, "kernel")))
-        rows.append({"network": model, "conv_impl": impl, "triton_ms": ms, "triton_gb": gb,
+        rows.append({"network": model, "conv_impl": impl, "inductor": args.inductor, "triton_ms": ms, "triton_gb": gb,
                      "families": families, "kernels": kernel_rows, "unnamed_triton_kernels": unnamed})
     if args.json:
         method = {"timer": "torch.profiler kernel times over --steps after the compiling step and --warmup",
