@@ -45,6 +45,20 @@ def test_rows_join_the_code_and_the_profile_most_time_lost_first():
     assert len(table) == 2 and table[1].split()[-1] == "triton_red_fused_bn"
 
 
+def test_each_kernel_names_the_launch_configuration_it_ran():
+    def kernel(**kwargs):  # a compiled kernel after its first run: one launcher
+        return SimpleNamespace(launchers=[SimpleNamespace(config=SimpleNamespace(kwargs=kwargs, num_warps=4))])
+    module = SimpleNamespace(triton_red_fused_bn_3=kernel(XBLOCK=64, R0_BLOCK=8), buf0=None,
+                             triton_poi_fused_relu_1=SimpleNamespace(launchers=[]))  # not run yet: no pick
+    configs = rates.launch_configs([module])
+    assert configs == {"triton_red_fused_bn_3": "XBLOCK=64 R0_BLOCK=8 warps=4"}
+    rows = rates.rate_rows({"triton_red_fused_bn_3": 10**9, "triton_poi_fused_relu_1": 10**9},
+                           [_event("triton_red_fused_bn_3", 500.0, 1), _event("triton_poi_fused_relu_1", 400.0, 1)],
+                           1, COPY_GBPS, configs)
+    assert [r["config"] for r in rows] == ["XBLOCK=64 R0_BLOCK=8 warps=4", ""]
+    assert rates.table(rows, 2, "kernel")[1].endswith("triton_red_fused_bn_3  [XBLOCK=64 R0_BLOCK=8 warps=4]")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--models", "no_such_net"], "not timm model names"),
     (["--models", "unireplknet_a", "--runs", "cuda3"], "no such variant"),
@@ -67,8 +81,9 @@ def test_without_a_gpu_it_says_so():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_profiled_triton_kernel_has_its_bytes_on_the_gpu():
     """The step's own output code names every Triton kernel the profile sees, and each moves bytes in a finite time."""
-    nbytes, kernels = rates.measure("replknet_tiny", "auto", batch=8, steps=2, warmup=2)
+    nbytes, kernels, configs = rates.measure("replknet_tiny", "auto", batch=8, steps=2, warmup=2)
     triton = [e for e in kernels if e.key.startswith("triton_")]
     assert triton and all(e.key in nbytes for e in triton)
-    rows = rates.rate_rows(nbytes, kernels, 2, rates.copy_bandwidth_gbps())
+    rows = rates.rate_rows(nbytes, kernels, 2, rates.copy_bandwidth_gbps(), configs)
     assert len(rows) == len(triton) and all(r["gb"] > 0 and 0 < r["tb_per_s"] < math.inf for r in rows)
+    assert all("warps=" in r["config"] for r in rows)  # each ran with one launch configuration

@@ -40,17 +40,33 @@ def step_bytes(codes: Sequence[str]) -> Counter:
     return total
 
 
-def rate_rows(nbytes: Counter, kernels: Sequence[Any], steps: int, copy_gbps: float) -> list[dict[str, Any]]:
-    """One row per Triton kernel of the profile that the output code names: launches, ms and GB per step, TB/s, and
-    `lost_ms`, its time beyond what its bytes take at the copy rate; the most lost first. Kernels of the profile
-    that the code does not name (cuBLAS's, cuDNN's, lkcnn's, the optimizer's) are left out."""
+def launch_configs(modules: Sequence[Any]) -> dict[str, str]:
+    """The launch configuration each Triton kernel of inductor's loaded output-code `modules` runs with, by name
+    (block sizes and warps): its heuristic's one pick, or the one autotuning chose among several."""
+    configs = {}
+    for module in modules:
+        for name, kernel in vars(module).items():
+            launchers = getattr(kernel, "launchers", None)  # a compiled kernel (CachingAutotuner) once it has run
+            if isinstance(launchers, list) and len(launchers) == 1:
+                config = launchers[0].config
+                configs[name] = " ".join([*(f"{k}={v}" for k, v in config.kwargs.items()), f"warps={config.num_warps}"])
+    return configs
+
+
+def rate_rows(nbytes: Counter, kernels: Sequence[Any], steps: int, copy_gbps: float,
+              configs: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One row per Triton kernel of the profile that the output code names: launches, ms and GB per step, TB/s,
+    `lost_ms` (its time beyond what its bytes take at the copy rate) and its launch configuration where `configs` has
+    it; the most lost first. Kernels of the profile that the code does not name (cuBLAS's, cuDNN's, lkcnn's, the
+    optimizer's) are left out."""
     rows = []
     for e in kernels:
         if e.key not in nbytes:
             continue
         ms, gb = e.self_device_time_total / 1e3 / steps, nbytes[e.key] / 1e9
         rows.append({"kernel": e.key, "family": family(e.key), "launches": e.count / steps, "ms": ms, "gb": gb,
-                     "tb_per_s": gb / ms if ms > 0 else float("inf"), "lost_ms": ms - gb / copy_gbps * 1e3})
+                     "tb_per_s": gb / ms if ms > 0 else float("inf"), "lost_ms": ms - gb / copy_gbps * 1e3,
+                     "config": (configs or {}).get(e.key, "")})
     return sorted(rows, key=lambda r: r["lost_ms"], reverse=True)
 
 
@@ -68,29 +84,32 @@ def by_family(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[dict[str
 
 
 def measure(model: str, impl: str, batch: int, steps: int, warmup: int, inductor: dict[str, Any] | None = None,
-            **model_kwargs) -> tuple[Counter, list]:
-    """(bytes per step by kernel, the profiled kernels over `steps` steps) of one compiled network, with `inductor`'s
-    settings over lkcnn's and the network's: its first step compiles it (fresh, so that inductor generates the code
-    rather than loading it from its cache)."""
+            **model_kwargs) -> tuple[Counter, list, dict[str, str]]:
+    """(bytes per step by kernel, the profiled kernels over `steps` steps, launch configurations by kernel) of one
+    compiled network, with `inductor`'s settings over lkcnn's and the network's: its first step compiles it (fresh,
+    so that inductor generates the code rather than loading it from its cache) and runs each kernel once."""
+    from torch._inductor.codecache import PyCodeCache
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
     step, state = setup(model, impl, batch, channels_last=True, compile=COMPILE_MODE, inductor=inductor,
                         **model_kwargs)
     with fresh_cache():
         _, codes = run_and_get_code(step)
+        configs = launch_configs(PyCodeCache.modules)
     for _ in range(warmup):
         step()
     kernels = profile_kernels(step, steps)
     del step, state
     release()
-    return step_bytes(codes), kernels
+    return step_bytes(codes), kernels, configs
 
 
 def table(rows: Sequence[dict[str, Any]], top: int, name_key: str) -> list[str]:
     lines = [f"{'lost ms':>8} {'ms':>7} {'GB':>7} {'TB/s':>6} {'launches':>8}  {name_key}"]
     for r in rows[:top]:
+        config = f"  [{r['config']}]" if r.get("config") else ""
         lines.append(f"{r['lost_ms']:8.3f} {r['ms']:7.3f} {r['gb']:7.3f} {r['tb_per_s']:6.2f} {r['launches']:8.1f}  "
-                     f"{r[name_key][:110]}")
+                     f"{r[name_key][:110]}{config}")
     return lines
 
 
@@ -126,8 +145,8 @@ def main(argv: Sequence[str]) -> None:
     rows = []
     for model in args.models:
         (_, impl, kwargs), = picked[model].values()
-        nbytes, kernels = measure(model, impl, args.batch, args.steps, args.warmup, args.inductor, **kwargs)
-        kernel_rows = rate_rows(nbytes, kernels, args.steps, copy_gbps)
+        nbytes, kernels, configs = measure(model, impl, args.batch, args.steps, args.warmup, args.inductor, **kwargs)
+        kernel_rows = rate_rows(nbytes, kernels, args.steps, copy_gbps, configs)
         families = by_family(kernel_rows, copy_gbps)
         ms, gb = sum(r["ms"] for r in kernel_rows), sum(r["gb"] for r in kernel_rows)
         unnamed = [e.key for e in kernels if e.key.startswith("triton_") and e.key not in nbytes]
