@@ -147,9 +147,13 @@ def main(argv: Sequence[str]) -> None:
         (_, impl, kwargs), = picked[model].values()
         nbytes, kernels, configs = measure(model, impl, args.batch, args.steps, args.warmup, args.inductor, **kwargs)
         kernel_rows = rate_rows(nbytes, kernels, args.steps, copy_gbps, configs)
+        unnamed = [e.key for e in kernels if e.key.startswith("triton_") and e.key not in nbytes]
+        if not kernel_rows:
+            print(f"== {model} ({impl}): no profiled Triton kernel is named in the captured output code "
+                  f"({len(unnamed)} profiled, {len(nbytes)} in the code): this torch names them differently")
+            continue
         families = by_family(kernel_rows, copy_gbps)
         ms, gb = sum(r["ms"] for r in kernel_rows), sum(r["gb"] for r in kernel_rows)
-        unnamed = [e.key for e in kernels if e.key.startswith("triton_") and e.key not in nbytes]
         print(f"== {model} ({impl}): {len(kernel_rows)} Triton kernels, {ms:.2f} ms and {gb:.2f} GB a step, "
               f"{gb / ms:.2f} TB/s; {sum(r['lost_ms'] for r in kernel_rows):.2f} ms beyond the copy rate"
               + (f"; {len(unnamed)} profiled Triton kernels not in the code" if unnamed else ""))
