@@ -24,7 +24,7 @@ import torch
 
 from lkcnn.bench.codegen import family, kernel_bytes
 from lkcnn.bench.e2e import COMPILE_MODE, VARIANTS, copy_bandwidth_gbps, jobs, release, setup
-from lkcnn.bench.profile import profile_kernels
+from lkcnn.bench.profile import per_step, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.compile import parse_settings
 
@@ -53,20 +53,20 @@ def launch_configs(modules: Sequence[Any]) -> dict[str, str]:
     return configs
 
 
+def _rate(ms: float, gb: float, copy_gbps: float) -> dict[str, float]:
+    """TB/s, and the ms beyond what `gb` takes at the copy rate."""
+    return {"tb_per_s": gb / ms if ms > 0 else float("inf"), "lost_ms": ms - gb / copy_gbps * 1e3}
+
+
 def rate_rows(nbytes: Counter, kernels: Sequence[Any], steps: int, copy_gbps: float,
               configs: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One row per Triton kernel of the profile that the output code names: launches, ms and GB per step, TB/s,
     `lost_ms` (its time beyond what its bytes take at the copy rate) and its launch configuration where `configs` has
     it; the most lost first. Kernels of the profile that the code does not name (cuBLAS's, cuDNN's, lkcnn's, the
     optimizer's) are left out."""
-    rows = []
-    for e in kernels:
-        if e.key not in nbytes:
-            continue
-        ms, gb = e.self_device_time_total / 1e3 / steps, nbytes[e.key] / 1e9
-        rows.append({"kernel": e.key, "family": family(e.key), "launches": e.count / steps, "ms": ms, "gb": gb,
-                     "tb_per_s": gb / ms if ms > 0 else float("inf"), "lost_ms": ms - gb / copy_gbps * 1e3,
-                     "config": (configs or {}).get(e.key, "")})
+    rows = [{"kernel": name, "family": family(name), "launches": launches, "ms": ms, "gb": nbytes[name] / 1e9,
+             **_rate(ms, nbytes[name] / 1e9, copy_gbps), "config": (configs or {}).get(name, "")}
+            for name, (ms, launches) in per_step(kernels, steps).items() if name in nbytes]
     return sorted(rows, key=lambda r: r["lost_ms"], reverse=True)
 
 
@@ -78,8 +78,7 @@ def by_family(rows: Sequence[dict[str, Any]], copy_gbps: float) -> list[dict[str
         s["kernels"] += 1
         for key in ("launches", "ms", "gb"):
             s[key] += r[key]
-    out = [{"family": name, **s, "tb_per_s": s["gb"] / s["ms"] if s["ms"] > 0 else float("inf"),
-            "lost_ms": s["ms"] - s["gb"] / copy_gbps * 1e3} for name, s in sums.items()]
+    out = [{"family": name, **s, **_rate(s["ms"], s["gb"], copy_gbps)} for name, s in sums.items()]
     return sorted(out, key=lambda r: r["lost_ms"], reverse=True)
 
 
