@@ -26,7 +26,13 @@ AUTO_COMPILE_MODE = "reduce-overhead"
 # `combo_kernels` launches kernels of a graph that do not depend on each other as one: fewer of the short kernels a
 # step of small normalization passes is made of. +2.5% images/s on RepLKNet-31B's compiled step on an H200, compile
 # time unchanged (docs/performance.md, "The current code against ConvNeXt-B").
-INDUCTOR_SETTINGS: dict[str, Any] = {"realize_reads_threshold": 5, "combo_kernels": True}
+# `max_autotune_pointwise` times a few launch configurations of each pointwise and reduction kernel while compiling
+# instead of taking its heuristic's one. Torch 2.11's heuristic gives every column reduction of a channels_last tensor
+# (a BatchNorm's statistics and gradient sums) a single small configuration; timed, RepLKNet-31B's compiled step
+# trained +3.1% images/s and UniRepLKNet-B's +1.4% on an H200 (docs/performance.md, "The current code against
+# ConvNeXt-B"). The timings are kept in inductor's cache, so a second run of the same configuration skips them.
+INDUCTOR_SETTINGS: dict[str, Any] = {
+    "realize_reads_threshold": 5, "combo_kernels": True, "max_autotune_pointwise": True}
 
 
 def network_settings(model: nn.Module | None) -> dict[str, Any]:

@@ -151,13 +151,6 @@ class UniRepLKNet(LkcnnModel, nn.Module):
     """UniRepLKNet: conv-LN-GELU-conv-LN stem (stride 4) -> 4 stages of UniRepLKNet blocks, joined by 3x3 stride-2
     conv-LN downsampling -> global average pool -> LayerNorm -> linear head."""
 
-    # Inductor settings of this network over lkcnn's (lkcnn.compile.network_settings): inductor times a few launch
-    # configurations of each pointwise and reduction kernel instead of taking its heuristic's. Its normalization,
-    # GRN and SE kernels move ~1.2x their least bytes but at ~1.8 TB/s; with this UniRepLKNet-B's compiled step
-    # trained +1.4% images/s (one H200, one process each) for ~50 s more compiling (docs/performance.md).
-    # Unmeasured on RepLKNet, so UniRepLKNet's alone.
-    inductor_settings = {"max_autotune_pointwise": True}
-
     def __init__(
             self,
             depths: Sequence[int] = (3, 3, 27, 3),
