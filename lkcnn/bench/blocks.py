@@ -4,7 +4,7 @@ instead of the minutes a whole compiled network takes (`lkcnn.bench e2e`). The q
 around the kernels, such as inductor's settings, before a whole-network run confirms it:
 
     python -m lkcnn.bench blocks [--models replknet31b,convnext_base] [--batch 64] [--json FILE]
-    python -m lkcnn.bench blocks --inductor max_autotune_pointwise=True --inductor triton.tile_reductions=True
+    python -m lkcnn.bench blocks --inductor coordinate_descent_tuning=True --inductor triton.tile_reductions=True
     python -m lkcnn.bench blocks --models replknet31b --kernels 12   # and each unit's 12 longest kernels
 
 A unit is a stage's shortest repeating run of blocks of the same structure (RepLKNet: a RepLK block and its ConvFFN;
@@ -13,10 +13,10 @@ step does: channels_last, bf16 autocast, compiled as the training app compiles (
 lkcnn's inductor settings), forward and backward (no optimizer), on an input of the shape and dtype the whole network
 hands that stage, with a mean-square loss. The stems, downsampling layers and head are left out. Each `--inductor`
 value (comma-separated settings of `torch._inductor.config`) is one more variant, those settings over lkcnn's, run
-after lkcnn's own (`--inductor realize_reads_threshold=4,combo_kernels=False` is inductor's default). The unit's own
-kernels ("blocks" in the table) leave out two costs of running it alone: its loss (eager PyTorch kernels, "other")
-and the CUDA graph's copy of its input (a foreach copy, which the profile files under "optimizer"); inside the whole
-network neither exists.
+after lkcnn's own (`--inductor realize_reads_threshold=4,combo_kernels=False,max_autotune_pointwise=False` is
+inductor's default). The unit's own kernels ("blocks" in the table) leave out two costs of running it alone: its loss
+(eager PyTorch kernels, "other") and the CUDA graph's copy of its input (a foreach copy, which the profile files under
+"optimizer"); inside the whole network neither exists.
 """
 from __future__ import annotations
 

@@ -387,8 +387,8 @@ def _parser() -> argparse.ArgumentParser:
                              "compiled and channels_last unless --compile/--channels-last say otherwise")
     parser.add_argument("--inductor", default="", metavar="KEY=VALUE[,...]",
                         help="torch._inductor.config settings over lkcnn's for every compiled network of this run "
-                             "(an A/B is two runs in one call; realize_reads_threshold=4,combo_kernels=False is "
-                             "inductor's default)")
+                             "(an A/B is two runs in one call; realize_reads_threshold=4,combo_kernels=False,"
+                             "max_autotune_pointwise=False is inductor's default)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of all variants; medians are printed")
     parser.add_argument("--json", default="", help="write a train_e2e benchmark record here")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=list(VARIANTS),
