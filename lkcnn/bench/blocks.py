@@ -29,7 +29,7 @@ import timm
 import torch
 from torch import nn
 
-from lkcnn.bench.e2e import COMPILE_MODE, release
+from lkcnn.bench.e2e import COMPILE_MODE, check_models, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, network_settings, parse_settings
@@ -194,9 +194,7 @@ def main(argv: Sequence[str]) -> None:
             variants[text] = parse_settings(text)
         except ValueError as err:
             parser.error(f"--inductor: {err}")
-    missing = [m for m in args.models if not timm.is_model(m)]
-    if missing:
-        parser.error(f"--models: {missing} are not timm model names")
+    check_models(parser, "--models", args.models)
     if not torch.cuda.is_available():
         sys.exit("lkcnn-bench blocks: no CUDA device is visible; it times training steps on a GPU")
     set_conv_impl("auto")  # the default dispatch, as users train

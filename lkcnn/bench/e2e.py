@@ -238,6 +238,12 @@ def copy_bandwidth_gbps(gib: int = 1) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- the run
+def check_models(parser: argparse.ArgumentParser, option: str, names: Sequence[str]) -> None:
+    """parser.error (one line, exit 2) naming those of an option's `names` that timm does not know."""
+    if missing := [m for m in names if not timm.is_model(m)]:
+        parser.error(f"{option}: {missing} are not timm model names (lkcnn's are registered by `import lkcnn`)")
+
+
 def jobs(models: Sequence[str], runs: Sequence[str]) -> dict[str, Job]:
     """The variants to time, by label: each of `runs` for lkcnn's models (the 3x3 ones for RepLKNet only), one run
     on PyTorch's convolutions for any other timm network (a peer)."""
@@ -406,9 +412,7 @@ def main(argv: Sequence[str]) -> None:
     unknown = set(args.runs) - set(VARIANTS)
     if unknown:
         parser.error(f"--runs: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
-    missing = [m for m in args.models if not timm.is_model(m)]
-    if missing:
-        parser.error(f"--models: {missing} are not timm model names")
+    check_models(parser, "--models", args.models)
     if args.compare and not timm.is_model(args.compare):
         parser.error(f"--compare: {args.compare!r} is not a timm model name")
     try:

@@ -19,11 +19,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import timm
 import torch
 
 from lkcnn.bench.codegen import family, kernel_bytes
-from lkcnn.bench.e2e import COMPILE_MODE, VARIANTS, copy_bandwidth_gbps, jobs, release, setup
+from lkcnn.bench.e2e import COMPILE_MODE, VARIANTS, check_models, copy_bandwidth_gbps, jobs, release, setup
 from lkcnn.bench.profile import per_step, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
 from lkcnn.compile import parse_settings
@@ -131,9 +130,7 @@ def main(argv: Sequence[str]) -> None:
         args.inductor = parse_settings(args.inductor)
     except ValueError as err:
         parser.error(f"--inductor: {err}")
-    missing = [m for m in args.models if not timm.is_model(m)]
-    if missing:
-        parser.error(f"--models: {missing} are not timm model names (lkcnn's are registered by `import lkcnn`)")
+    check_models(parser, "--models", args.models)
     picked = {model: jobs([model], [args.runs]) for model in args.models}
     if none := [model for model, variants in picked.items() if not variants]:
         parser.error(f"--runs {args.runs}: {none} have no such variant (the 3x3 twin is RepLKNet's)")
