@@ -3,6 +3,7 @@ ratios and table come from the variants' reports (the GPU timings themselves are
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 import timm
@@ -68,7 +69,7 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, cap
         twin = kwargs.get("kernel_sizes") == 3
         calls.append((name, impl, twin, channels_last, kwargs.get("compile")))
         ips = speeds[(name, "torch" if twin else impl)]
-        return {"images_per_s": ips, "step_ms": 64e3 / ips, "gpu_busy_ms": 30.0,
+        return {"images_per_s": ips, "step_ms": 64e3 / ips, "first_step_s": 90.0, "gpu_busy_ms": 30.0,
                 "gpu_ms_by_category": {"GEMM (1x1 convs, head)": 10.0, **({} if twin else {"optimizer": 1.0})}}
 
     monkeypatch.setattr(e2e, "step_report", fake_report)
@@ -78,7 +79,7 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, cap
     assert calls == [("convnext_base", "torch", False, True, "reduce-overhead"),
                      ("replknet31b", "auto", False, True, "reduce-overhead"),
                      ("replknet31b", "torch", True, True, "reduce-overhead")]
-    assert "replknet31b: 1200.0 images/s (0.75x convnext_base)" in capsys.readouterr().err
+    assert "replknet31b: 1200.0 images/s (0.75x convnext_base), first step 90.0 s" in capsys.readouterr().err
     assert rows[0]["ratio_to_convnext_base"] == pytest.approx(0.75) and rows[0]["ratio_to_3x3"] == pytest.approx(0.8)
     assert "ratio_to_3x3" not in rows[1] and rows[2]["ratio_to_convnext_base"] == 1.0
     args = argparse.Namespace(compare="convnext_base", batch=64, compile="reduce-overhead", channels_last=True,
@@ -137,7 +138,7 @@ def test_inductor_settings_reach_the_compile_and_the_record(monkeypatch, capsys)
 def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
     """A compiled variant takes minutes: its images/s is printed when it finishes, so a later variant that fails (or
     a GPU call's time limit) does not take the earlier results with it."""
-    speeds = iter([1200.0, 300.0])
+    speeds = iter([(1200.0, 95.0), (300.0, 4.25)])
 
     def fake_images_per_s(model, impl, **kwargs):
         if impl == "cuda3":
@@ -148,8 +149,27 @@ def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
     variants = {"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {}), "net: c": ("net", "cuda3", {})}
     with pytest.raises(RuntimeError, match="third variant"):
         e2e.measure(variants, 1, batch=2, steps=1, warmup=1)
-    assert capsys.readouterr().err.splitlines() == ["lkcnn-bench e2e: net: a: 1200.0 images/s",
-                                                    "lkcnn-bench e2e: net: b: 300.0 images/s"]
+    assert capsys.readouterr().err.splitlines() == ["lkcnn-bench e2e: net: a: 1200.0 images/s, first step 95.0 s",
+                                                    "lkcnn-bench e2e: net: b: 300.0 images/s, first step 4.2 s"]
+    speeds = iter([(1200.0, 95.0), (300.0, 4.25)])
+    samples, first_steps = e2e.measure({"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {})}, 1,
+                                       batch=2, steps=1, warmup=1)
+    assert samples == {"net: a": [1200.0], "net: b": [300.0]} and first_steps == {"net: a": [95.0], "net: b": [4.25]}
+
+
+def test_the_first_step_is_timed_apart_and_counts_as_warm_up():
+    """A compiled variant compiles in its first step: that step's seconds are reported on their own (what a setting
+    costs at compile time) and it is one of the `warmup` steps, so the timed steps are the same as before."""
+    calls = []
+
+    def step():
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(0.05)
+    timed = e2e.time_steps(step, batch=8, steps=3, warmup=2)
+    assert len(calls) == 2 + 3
+    assert timed["first_step_s"] >= 0.05
+    assert timed["images_per_s"] == pytest.approx(8 / timed["step_ms"] * 1e3)
 
 
 class _Stem(torch.nn.Module):

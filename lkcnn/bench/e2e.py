@@ -93,14 +93,24 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     return graph.replay, (model, opt, x, y, graph)
 
 
+def time_steps(step: Callable[[], None], batch: int, steps: int, warmup: int) -> dict[str, float]:
+    """images/s and ms per step over `steps` steps after `warmup` (the first among them), wall time with the GPU
+    synchronized, and the first step's seconds: a compiled network compiles there, so that is what an inductor
+    setting costs at compile time (cold, or from torch's caches)."""
+    first_s = timing.mean_ms(step, 1, wall=True) / 1e3
+    step_ms = timing.mean_ms(step, steps, max(warmup - 1, 0), wall=True)
+    return {"images_per_s": batch / step_ms * 1e3, "step_ms": step_ms, "first_step_s": first_s}
+
+
 def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
-                 cuda_graph: bool = False, inductor: dict[str, Any] | None = None, **model_kwargs) -> float:
-    """Training images/s of one variant: wall time of `steps` steps after `warmup`, the GPU synchronized."""
+                 cuda_graph: bool = False, inductor: dict[str, Any] | None = None,
+                 **model_kwargs) -> tuple[float, float]:
+    """Training images/s of one variant (`time_steps`) and its first step's seconds."""
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
-    step_ms = timing.mean_ms(step, steps, warmup, wall=True)
+    timed = time_steps(step, batch, steps, warmup)
     del step, state
     release()
-    return batch / step_ms * 1e3
+    return timed["images_per_s"], timed["first_step_s"]
 
 
 def release() -> None:
@@ -116,12 +126,11 @@ def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, chann
     """One variant from one setup (a compiled one compiles once): its images/s (wall time of `steps` steps after
     `warmup`) and its GPU time per step by cost category over `profile_steps` more steps under torch.profiler."""
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
-    step_ms = timing.mean_ms(step, steps, warmup, wall=True)
+    timed = time_steps(step, batch, steps, warmup)
     kernels = profile_kernels(step, profile_steps)
     del step, state
     release()
-    return {"images_per_s": batch / step_ms * 1e3, "step_ms": step_ms,
-            "gpu_ms_by_category": by_category(kernels, profile_steps),
+    return {**timed, "gpu_ms_by_category": by_category(kernels, profile_steps),
             "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / 1e3 / profile_steps}
 
 
@@ -261,15 +270,20 @@ def jobs(models: Sequence[str], runs: Sequence[str]) -> dict[str, Job]:
     return out
 
 
-def measure(variants: dict[str, Job], repeat: int, **common) -> dict[str, list[float]]:
-    """images/s of every variant, `repeat` rounds of all variants in turn: single runs of one variant spread by 20%
-    and more between calls, so a ratio is read from medians of interleaved runs."""
+def measure(variants: dict[str, Job], repeat: int,
+            **common) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """images/s of every variant and its first steps' seconds, `repeat` rounds of all variants in turn: single runs
+    of one variant spread by 20% and more between calls, so a ratio is read from medians of interleaved runs."""
     samples: dict[str, list[float]] = {label: [] for label in variants}
+    first_steps: dict[str, list[float]] = {label: [] for label in variants}
     for _ in range(repeat):
         for label, (model, impl, kwargs) in variants.items():
-            samples[label].append(images_per_s(model, impl, **common, **kwargs))
-            _progress({"network": label, "images_per_s": samples[label][-1]})  # kept if a later variant fails
-    return samples
+            ips, first_s = images_per_s(model, impl, **common, **kwargs)
+            samples[label].append(ips)
+            first_steps[label].append(first_s)
+            # printed as it finishes: kept if a later variant fails
+            _progress({"network": label, "images_per_s": ips, "first_step_s": first_s})
+    return samples, first_steps
 
 
 def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
@@ -304,8 +318,8 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
 
 def _progress(row: dict[str, Any], peer: dict[str, Any] | None = None) -> None:
     ratio = f" ({row['images_per_s'] / peer['images_per_s']:.2f}x {peer['network']})" if peer else ""
-    print(f"lkcnn-bench e2e: {row['network']}: {row['images_per_s']:.1f} images/s{ratio}", file=sys.stderr,
-          flush=True)
+    print(f"lkcnn-bench e2e: {row['network']}: {row['images_per_s']:.1f} images/s{ratio}, "
+          f"first step {row['first_step_s']:.1f} s", file=sys.stderr, flush=True)
 
 
 def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -343,20 +357,23 @@ def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {label: statistics.median(values) for label, values in samples.items()}
 
 
-def table(samples: dict[str, list[float]], args: argparse.Namespace) -> str:
-    """The printed result: one line per variant, its median images/s and its ratio to the first variant's."""
+def table(samples: dict[str, list[float]], first_steps: dict[str, list[float]], args: argparse.Namespace) -> str:
+    """The printed result: one line per variant, its median images/s, its ratio to the first variant's and its
+    first steps' seconds (a compiled variant's compile)."""
     ips_by_label = medians(samples)
     first = next(iter(ips_by_label.values()))
     lines = [f"batch {args.batch}, 224px, bf16 autocast, AdamW, {regime(args)}, {torch.cuda.get_device_name()}"]
     for label, ips in ips_by_label.items():
         each = f"  (runs: {', '.join(f'{v:.1f}' for v in samples[label])})" if args.repeat > 1 else ""
-        lines.append(f"{label:56s} {ips:8.1f} img/s  {ips / first:5.2f}x{each}")
+        lines.append(f"{label:56s} {ips:8.1f} img/s  {ips / first:5.2f}x  first step "
+                     f"{', '.join(f'{s:.0f}' for s in first_steps[label])} s{each}")
     return "\n".join(lines)
 
 
-def record(samples: dict[str, list[float]], variants: dict[str, Job], args: argparse.Namespace,
-           argv: Sequence[str]) -> dict[str, Any]:
-    """The `train_e2e` benchmark record: one row per variant (network, variant, median images/s, ratio, runs)."""
+def record(samples: dict[str, list[float]], first_steps: dict[str, list[float]], variants: dict[str, Job],
+           args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """The `train_e2e` benchmark record: one row per variant (network, variant, median images/s, ratio, runs, the
+    runs' first steps in seconds)."""
     ips_by_label = medians(samples)
     first = next(iter(ips_by_label.values()))
     settings = {}  # per network: its class's settings (the variants' kwargs do not change the class)
@@ -364,7 +381,7 @@ def record(samples: dict[str, list[float]], variants: dict[str, Job], args: argp
         with torch.device("meta"):  # without building the weights
             settings = {name: network_settings(timm.create_model(name)) for name in {v[0] for v in variants.values()}}
     rows = [{"network": variants[label][0], "variant": label.split(": ", 1)[-1], "images_per_s": ips,
-             "ratio_to_first": ips / first, "runs": samples[label],
+             "ratio_to_first": ips / first, "runs": samples[label], "first_step_s": first_steps[label],
              "network_inductor_settings": settings.get(variants[label][0])} for label, ips in ips_by_label.items()]
     method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized",
               "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
@@ -448,8 +465,8 @@ def main(argv: Sequence[str]) -> None:
             print(f"== {label}")
             print(kernel_profile(model, impl, **common, **kwargs))
         return
-    samples = measure(variants, args.repeat, **common)
-    print(table(samples, args))
+    samples, first_steps = measure(variants, args.repeat, **common)
+    print(table(samples, first_steps, args))
     if args.json:
-        write_record(args.json, record(samples, variants, args, argv))
+        write_record(args.json, record(samples, first_steps, variants, args, argv))
         print(f"wrote {args.json}")
