@@ -2,14 +2,16 @@
 # One call on the GPU machine for whole-network training speed: build the CUDA extension, the GPU tests of the ops
 # the networks run, each stage's blocks (`lkcnn.bench blocks`), and optionally the compiled networks against timm's
 # ConvNeXt-B (`lkcnn.bench e2e --compare`: ~3 minutes a network on an H200, compile, timing and profile; RepLKNet-31B
-# brings its 3x3 twin: ~9 minutes with a cold build, so one --models network per run), and each Triton kernel's rate in
-# the compiled step (`lkcnn.bench rates`: ~2-4 minutes a network). Logs and records go to $OUT; the short tables print
-# last.
+# brings its 3x3 twin: ~9 minutes with a cold build, so one --models network per run), each Triton kernel's rate in
+# the compiled step (`lkcnn.bench rates`: ~2-4 minutes a network), and an A/B of inductor settings on one whole network
+# (`E2E_AB`: lkcnn's settings, then with these, each its own process with its own cold inductor cache; images/s and
+# the first step's seconds, the compile's cost). Logs and records go to $OUT; the short tables print last.
 # Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
 #   bash scripts/network_check.sh                # tests, then blocks (and longest kernels) of RepLKNet-31B, UniRepLKNet-B
 #   BLOCKS="--models replknet31b --inductor realize_reads_threshold=4" bash scripts/network_check.sh
 #   TESTS= BLOCKS= COMPARE="--models replknet31b" bash scripts/network_check.sh
 #   TESTS= BLOCKS= RATES="--models unireplknet_b" bash scripts/network_check.sh
+#   TESTS= BLOCKS= E2E_AB="triton.prefer_nd_tiling=True" [E2E_MODEL=replknet31b] bash scripts/network_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
@@ -17,6 +19,8 @@ TESTS=${TESTS-1}
 BLOCKS=${BLOCKS-"--models replknet31b,unireplknet_b --kernels 8"}
 COMPARE=${COMPARE-}
 RATES=${RATES-}
+E2E_AB=${E2E_AB-}
+E2E_MODEL=${E2E_MODEL:-replknet31b}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.gpu/inductor}
@@ -45,4 +49,14 @@ if [ -n "$RATES" ]; then
   # shellcheck disable=SC2086
   $PY -m lkcnn.bench rates $RATES --json "$OUT/rates.json" >"$OUT/rates.log" 2>&1
   echo "== rates (rc=$?), $(since):"; grep -v -E "UserWarning|_warn_once|acc_events|^\s*$" "$OUT/rates.log" | head -60
+fi
+if [ -n "$E2E_AB" ]; then
+  for side in base ab; do
+    settings=(); [ $side = ab ] && settings=(--inductor "$E2E_AB")
+    rm -rf "$PWD/.gpu/inductor_ab_$side"  # cold: the first step's seconds are the whole compile
+    TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu/inductor_ab_$side $PY -m lkcnn.bench e2e --models "$E2E_MODEL" --runs auto \
+      --compile --channels-last --steps 30 --warmup 6 "${settings[@]}" --json "$OUT/e2e_ab_$side.json" \
+      >"$OUT/e2e_ab_$side.log" 2>&1
+    echo "== e2e $side (rc=$?), $(since):"; grep -E "images/s|img/s" "$OUT/e2e_ab_$side.log" | tail -2
+  done
 fi
