@@ -140,12 +140,12 @@ def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
     a GPU call's time limit) does not take the earlier results with it."""
     speeds = iter([(1200.0, 95.0), (300.0, 4.25)])
 
-    def fake_images_per_s(model, impl, **kwargs):
+    def fake_run_variant(model, impl, **kwargs):
         if impl == "cuda3":
             raise RuntimeError("the third variant fails")
         return next(speeds)
 
-    monkeypatch.setattr(e2e, "images_per_s", fake_images_per_s)
+    monkeypatch.setattr(e2e, "run_variant", fake_run_variant)
     variants = {"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {}), "net: c": ("net", "cuda3", {})}
     with pytest.raises(RuntimeError, match="third variant"):
         e2e.measure(variants, 1, batch=2, steps=1, warmup=1)

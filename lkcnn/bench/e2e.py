@@ -102,9 +102,9 @@ def time_steps(step: Callable[[], None], batch: int, steps: int, warmup: int) ->
     return {"images_per_s": batch / step_ms * 1e3, "step_ms": step_ms, "first_step_s": first_s}
 
 
-def images_per_s(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
-                 cuda_graph: bool = False, inductor: dict[str, Any] | None = None,
-                 **model_kwargs) -> tuple[float, float]:
+def run_variant(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
+                cuda_graph: bool = False, inductor: dict[str, Any] | None = None,
+                **model_kwargs) -> tuple[float, float]:
     """Training images/s of one variant (`time_steps`) and its first step's seconds."""
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
     timed = time_steps(step, batch, steps, warmup)
@@ -278,7 +278,7 @@ def measure(variants: dict[str, Job], repeat: int,
     first_steps: dict[str, list[float]] = {label: [] for label in variants}
     for _ in range(repeat):
         for label, (model, impl, kwargs) in variants.items():
-            ips, first_s = images_per_s(model, impl, **common, **kwargs)
+            ips, first_s = run_variant(model, impl, **common, **kwargs)
             samples[label].append(ips)
             first_steps[label].append(first_s)
             # printed as it finishes: kept if a later variant fails
