@@ -91,8 +91,9 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, cap
     assert optimizer.split()[1:] == ["1.00", "-", "1.00"]  # the 3x3 twin's report has no optimizer kernel
 
 
-def test_the_cudnn_small_branch_variant_turns_only_the_branch_kernels_off(monkeypatch):
-    """`--runs auto,auto_cudnn_small` is the branch kernels' A/B: the same conv policy, the branch kernels off."""
+def test_the_kernel_switch_variants_turn_only_their_kernels_off(monkeypatch):
+    """`--runs auto,auto_cudnn_small,auto_torch_grn` are the branch kernels' and the GELU + GRN kernels' A/Bs: the
+    same conv policy, one kind of kernel off."""
     calls = []
 
     class Built(Exception):
@@ -100,12 +101,14 @@ def test_the_cudnn_small_branch_variant_turns_only_the_branch_kernels_off(monkey
 
     monkeypatch.setattr(e2e, "set_conv_impl", lambda impl: calls.append(("conv", impl)))
     monkeypatch.setattr(e2e, "set_branch_kernels", lambda on: calls.append(("branches", on)))
+    monkeypatch.setattr(e2e, "set_grn_kernels", lambda on: calls.append(("grn", on)))
     monkeypatch.setattr(e2e.timm, "create_model", lambda *a, **k: (_ for _ in ()).throw(Built()))
-    jobs = e2e.jobs(["replknet31b"], ["auto", "auto_cudnn_small"])
+    jobs = e2e.jobs(["unireplknet_b"], ["auto", "auto_cudnn_small", "auto_torch_grn"])
     for model, impl, kwargs in jobs.values():
         with pytest.raises(Built):
             e2e.setup(model, impl, batch=2, channels_last=True, compile=None, **kwargs)
-    assert calls == [("conv", "auto"), ("branches", True), ("conv", "auto"), ("branches", False)]
+    assert calls == [("conv", "auto"), ("branches", True), ("grn", True), ("conv", "auto"), ("branches", False),
+                     ("grn", True), ("conv", "auto"), ("branches", True), ("grn", False)]
 
 
 def test_inductor_settings_reach_the_compile_and_the_record(monkeypatch, capsys):

@@ -1,6 +1,6 @@
 """UniRepLKNet's layers (Ding et al., "UniRepLKNet", CVPR 2024; github AILab-CVC/UniRepLKNet) with the official
 module names, so official state dicts load by key: the Dilated Reparam Block (a large depthwise conv plus parallel
-dilated depthwise branches, each with a BatchNorm), squeeze-and-excitation and GRN.
+dilated depthwise branches, each with a BatchNorm), squeeze-and-excitation, GELU and GRN.
 
 The large kernel runs through lkcnn's `dwconv2d` op; the dilated branches all run through one `dwconv2d_branches`
 call (on a GPU, one pass over x for every branch's output, one for the summed input gradient, one for the dilated
@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lkcnn.ops import dwconv2d_branches
+from lkcnn.ops.grn import gelu_grn, grn
 
 from .branch_convs import BranchConvs
 from .fuse import merge_branches
@@ -118,10 +119,19 @@ class GRN(nn.Module):
         self.beta = nn.Parameter(torch.zeros(1, 1, 1, dim)) if use_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gx = torch.norm(x, p=2, dim=(1, 2), keepdim=True)
-        nx = gx / (gx.mean(dim=-1, keepdim=True) + 1e-6)
-        out = (self.gamma * nx + 1) * x
-        return out + self.beta if self.beta is not None else out
+        return grn(x, self.gamma, self.beta)
+
+
+class GELUGRN(nn.Sequential):
+    """GELU then GRN, under the official keys (`act.1.gamma`, `act.1.beta`), computed together by
+    `lkcnn.ops.gelu_grn`: on a GPU two passes each way over the activation instead of inductor's slower column
+    reductions."""
+
+    def __init__(self, dim: int, use_bias: bool = True) -> None:
+        super().__init__(nn.GELU(), GRN(dim, use_bias=use_bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_grn(x, self[1].gamma, self[1].beta)
 
 
 class NCHWtoNHWC(nn.Module):

@@ -21,7 +21,7 @@ from timm.models._manipulate import checkpoint_seq
 
 from lkcnn.layers.fuse import fuse_bn
 from lkcnn.layers.image_conv import ImageConv2d
-from lkcnn.layers.unireplknet_blocks import GRN, DilatedReparamBlock, NCHWtoNHWC, NHWCtoNCHW, SEBlock
+from lkcnn.layers.unireplknet_blocks import GELUGRN, DilatedReparamBlock, NCHWtoNHWC, NHWCtoNCHW, SEBlock
 
 from ._checkpoint import check_keys, unwrap_state_dict
 from ._factory import LkcnnModel, create_lkcnn_model
@@ -63,7 +63,7 @@ class UniRepLKNetBlock(nn.Module):
         self.se = SEBlock(dim, dim // 4)
         ffn_dim = int(ffn_factor * dim)
         self.pwconv1 = nn.Sequential(NCHWtoNHWC(), nn.Linear(dim, ffn_dim))
-        self.act = nn.Sequential(nn.GELU(), GRN(ffn_dim, use_bias=not deploy))
+        self.act = GELUGRN(ffn_dim, use_bias=not deploy)
         if deploy:
             self.pwconv2 = nn.Sequential(nn.Linear(ffn_dim, dim), NHWCtoNCHW())
         else:

@@ -6,7 +6,8 @@ copies in channels_last training: `dwconv2d_fwd_keep_flat` (the output and the N
 weight gradient) and `dwconv2d_bwd` (both gradients from one call). Which implementation runs (lkcnn's CUDA kernels or
 PyTorch's convolution) is `set_conv_impl` / `use_conv_impl`'s choice, LKCNN_CONV_IMPL the user's default.
 `dwconv2d_branches(x, weights, dilations)` runs several small (dilated) depthwise convolutions of one input, the
-small branches of the re-parameterizable blocks, in one pass per direction.
+small branches of the re-parameterizable blocks, in one pass per direction. `gelu_grn(h, gamma, beta)` is
+UniRepLKNet's GELU then GRN on an NHWC tensor, two passes each way.
 """
 from .build import BuildError
 from .dwconv import (
@@ -19,6 +20,7 @@ from .dwconv import (
     use_conv_impl,
 )
 from .dwconv_branches import dwconv2d_branches, set_branch_kernels
+from .grn import gelu_grn, set_grn_kernels
 
 __all__ = ["BuildError", "conv_impl", "conv_impl_from_env", "cuda_unsupported_reason", "dwconv2d", "dwconv2d_branches",
-           "implementation", "set_branch_kernels", "set_conv_impl", "use_conv_impl"]
+           "gelu_grn", "implementation", "set_branch_kernels", "set_conv_impl", "set_grn_kernels", "use_conv_impl"]

@@ -154,11 +154,15 @@ def _memory_format(t: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _new_like(t: Tensor) -> Tensor:
-    out = torch.empty_like(t, memory_format=_memory_format(t))
-    if os.environ.get("LKCNN_DEBUG_POISON") == "1":  # tests: every element the kernel fails to write stays NaN
+def _poisoned(out: Tensor) -> Tensor:
+    """out, filled with NaN under LKCNN_DEBUG_POISON=1 (tests: every element a kernel fails to write stays NaN)."""
+    if os.environ.get("LKCNN_DEBUG_POISON") == "1":
         out.fill_(float("nan"))
     return out
+
+
+def _new_like(t: Tensor) -> Tensor:
+    return _poisoned(torch.empty_like(t, memory_format=_memory_format(t)))
 
 
 @torch.library.custom_op("lkcnn::dwconv2d_fwd", mutates_args=())

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lkcnn.ops.triton_math import gelu
+
 # 1.5 * 2^23: y + ROUND rounds a float32 |y| < 2^22 half to even, the result's bits are 0x4B400000 + round(y)
 ROUND = tl.constexpr(12582912.0)
 # Hopper's FP8 tensor cores add products into an accumulator of about 14 mantissa bits (Triton's default there lets
@@ -53,27 +55,6 @@ def _dot(a, w_t, acc, IS_INT: tl.constexpr):
 
 
 @triton.jit
-def _approx(x, INSTRUCTION: tl.constexpr):
-    """One of the special-function unit's instructions, flushing subnormals: Triton's `1.0 / x` and `tl.exp` add
-    range checks and rescaling around theirs (subnormals are out of reach here: below, their results either feed a
-    product with a value under 1e-37 or are added to 1)."""
-    return tl.inline_asm_elementwise(INSTRUCTION + " $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _gelu(y):
-    """nn.GELU()'s erf form, y * (1 + erf(y / sqrt 2)) / 2, within 4e-7 |y|: erf(|z|) = 1 - p(k) exp(-z^2) with
-    k = 1 / (1 + c |z|) (Abramowitz & Stegun 7.1.26, 1.5e-7), so for y >= 0 GELU is y - q and for y < 0 it is q, with
-    q = y p(k) exp(-y^2 / 2) / 2 (the halves and 1 / sqrt 2 folded into the constants). About 15 instructions a
-    value, two of them on the special-function unit; libdevice's erff took 34 and the same formula through Triton's
-    division and exp 41, the most of an FFN GEMM's epilogue (its GELU layers 1.7x their time with ReLU)."""
-    k = _approx(1.0 + 0.2316418882663604 * tl.abs(y), "rcp.approx.ftz.f32")  # 0.3275911 / sqrt 2
-    p = k * (0.127414796 + k * (-0.142248368 + k * (0.7107068705 + k * (-0.7265760135 + k * 0.5307027145))))
-    q = y * p * _approx(y * y * -0.7213475204444817, "ex2.approx.ftz.f32")  # exp(-y^2 / 2) = 2^(-y^2 log2(e) / 2)
-    return tl.where(y >= 0.0, y - q, q)
-
-
-@triton.jit
 def _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT: tl.constexpr):
     n_in = offs_n < N
     alpha = tl.load(alpha_ptr + offs_n, mask=n_in, other=0.0)
@@ -82,7 +63,7 @@ def _scale_act(acc, alpha_ptr, beta_ptr, offs_n, N, ACT: tl.constexpr):
     if ACT == 1:
         y = tl.maximum(y, 0.0)
     elif ACT == 2:
-        y = _gelu(y)
+        y = gelu(y)
     return y
 
 

@@ -1,0 +1,117 @@
+"""lkcnn.ops.gelu_grn on the CPU: the kernel path's autograd arithmetic (the per-image terms between the passes and
+the hand-written backward, through the ops' torch implementations, in float32 as the kernels compute) against
+autograd of the official composition in float64, the dispatch, and the four Triton kernels in Triton's interpreter against float64."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lkcnn.layers.unireplknet_blocks import GELUGRN
+from lkcnn.ops import grn as G
+
+
+def _case(n, h, w, c, seed, zero_channel=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, w, c, generator=gen, dtype=torch.float64)
+    if zero_channel:  # GELU(-60) is 0 in float64: a channel whose norm is 0 (the norm's gradient there is 0)
+        x[0, :, :, 1] = -60.0
+    gamma = torch.randn(1, 1, 1, c, generator=gen, dtype=torch.float64)
+    beta = torch.randn(1, 1, 1, c, generator=gen, dtype=torch.float64)
+    return x, gamma, beta, torch.randn(n, h, w, c, generator=gen, dtype=torch.float64)
+
+
+def _grads(fn, x, gamma, beta, g):
+    leaves = [t.clone().requires_grad_() for t in (x, gamma) + (() if beta is None else (beta,))]
+    out = fn(leaves[0], leaves[1], leaves[2] if beta is not None else None)
+    out.backward(g)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("zero_channel", [False, True])
+def test_kernel_path_arithmetic_matches_the_official_composition_in_float64(bias, zero_channel):
+    x, gamma, beta, g = _case(3, 5, 7, 12, seed=torch.seed() % 2**31, zero_channel=zero_channel)
+    beta = beta if bias else None
+    ours = _grads(G._GeluGRN.apply, x, gamma, beta, g)
+    ref = _grads(lambda a, b, c: G.grn(F.gelu(a), b, c), x, gamma, beta, g)
+    for name, a, b in zip(["out", "dx", "dgamma", "dbeta"], ours, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert ((a - b).norm() / b.norm()).item() < 2e-6, name  # the kernel path computes in float32
+
+
+def test_module_keeps_the_official_keys_and_runs_torch_ops_on_the_cpu():
+    module = GELUGRN(8)
+    assert list(module.state_dict()) == ["1.gamma", "1.beta"]
+    assert list(GELUGRN(8, use_bias=False).state_dict()) == ["1.gamma"]
+    x = torch.randn(2, 3, 3, 8)
+    assert not G.uses_kernels(x)
+    with torch.no_grad():
+        module[1].gamma.normal_()
+        module[1].beta.normal_()
+        assert torch.allclose(module(x), module[1](module[0](x)))
+
+
+def test_grn_kernels_switch_and_conv_policy_gate_the_kernel_path(monkeypatch):
+    x = torch.empty(2, 3, 3, 8, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert G.uses_kernels(x) == G.TRITON
+    G.set_grn_kernels(False)
+    try:
+        assert not G.uses_kernels(x)
+    finally:
+        G.set_grn_kernels(True)
+    from lkcnn.ops import use_conv_impl
+    with use_conv_impl("torch"):
+        assert not G.uses_kernels(x)
+    assert not G.uses_kernels(x.permute(0, 3, 1, 2))  # not contiguous NHWC
+    assert not G.uses_kernels(x.to(torch.float64))
+
+
+_INTERPRETED = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from lkcnn.ops import grn_triton as K
+    K._sm_count = lambda device: 6  # a small GPU: images' rows split over several programs
+    for n, r, c, dtype in [(2, 35, 40, torch.float32), (3, 81, 136, torch.bfloat16), (1, 99, 128, torch.float16),
+                           (4, 7, 264, torch.bfloat16)]:
+        h, g = torch.randn(n, r, c).to(dtype), torch.randn(n, r, c).to(dtype)
+        scale, t, beta = torch.randn(n, c), torch.randn(n, c), torch.randn(c)
+        splits, rows = K.splits(n, r, c, h.device)
+        x = F.gelu(h.double())
+        part = torch.full((n, splits, c), float("nan"))
+        K.sumsq(h, part)
+        checks = {"sumsq": (part.sum(1), x.square().sum(1))}
+        part = torch.full((2, n, splits, c), float("nan"))
+        K.grad_sums(g, h, part)
+        checks["sum g*x"] = (part[0].sum(1), (g.double() * x).sum(1))
+        checks["sum g"] = (part[1].sum(1), g.double().sum(1))
+        out = torch.full_like(h, float("nan"))
+        K.apply(h, scale, beta, out)
+        checks["out"] = (out, x * scale[:, None].double() + beta.double())
+        hd = h.double().requires_grad_()
+        (dh_ref,) = torch.autograd.grad(F.gelu(hd), hd, g.double() * scale[:, None] + x * t[:, None])
+        dh = torch.full_like(h, float("nan"))
+        K.grad_apply(g, h, scale, t, dh)
+        checks["dh"] = (dh, dh_ref)
+        tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+        for name, (a, b) in checks.items():
+            err = ((a.double() - b).norm() / b.norm()).item()
+            assert err < (1e-6 if a.dtype == torch.float32 else tol), (name, n, r, c, dtype, splits, err)
+    print("ok")
+""")
+
+
+def test_triton_kernels_in_the_interpreter_match_float64():
+    """The kernels themselves, run by Triton's interpreter on the CPU (its own process: TRITON_INTERPRET is read when
+    the kernels are defined), outputs NaN before each launch; the GPU runs them in tests/test_gelu_grn_gpu.py."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
+        pytest.skip("Triton's interpreter takes a runtime loop bound from 3.8 on (before, int() of a 1-element array)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
