@@ -22,6 +22,7 @@ NAMES = {
         "lkcnn large-kernel conv, 8-bit",
     # the small-branch kernels as demangled from csrc/dwconv/dwconv_branches.cu's anonymous namespace
     "void lkcnn::(anonymous namespace)::branches_conv_kernel<c10::BFloat16, false>(...)": "lkcnn small-branch conv",
+    "_grn_grad_sums_kernel": "lkcnn GELU + GRN",
     "void lkcnn::(anonymous namespace)::branches_wgrad_kernel<c10::BFloat16>(...)": "lkcnn small-branch conv",
     # and the tensor-core one of csrc/dwconv/dwconv_branches_tc.cu
     "void lkcnn::(anonymous namespace)::branch_tc_kernel<c10::BFloat16, 5, false>(...)": "lkcnn small-branch conv",

@@ -1,6 +1,7 @@
 """lkcnn.ops.gelu_grn on the CPU: the kernel path's autograd arithmetic (the per-image terms between the passes and
 the hand-written backward, through the ops' torch implementations, in float32 as the kernels compute) against
-autograd of the official composition in float64, the dispatch, and the four Triton kernels in Triton's interpreter against float64."""
+autograd of the official composition in float64, opcheck of the registered passes, the dispatch, and the four Triton
+kernels in Triton's interpreter against float64."""
 from __future__ import annotations
 
 import os
@@ -43,6 +44,17 @@ def test_kernel_path_arithmetic_matches_the_official_composition_in_float64(bias
     for name, a, b in zip(["out", "dx", "dgamma", "dbeta"], ours, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert ((a - b).norm() / b.norm()).item() < 2e-6, name  # the kernel path computes in float32
+
+
+def test_registered_passes_pass_opcheck():
+    """Schema, fake implementations and dispatch of the four registered passes (their CPU implementations)."""
+    h, gamma, beta, g = (t.float() for t in _case(2, 3, 5, 8, seed=torch.seed() % 2**31))
+    rows, g_rows = h.reshape(2, -1, 8), g.reshape(2, -1, 8)
+    scale, t = torch.randn(2, 8), torch.randn(2, 8)
+    for op, args in [(G.gelu_grn_sumsq, (rows,)), (G.gelu_grn_apply, (rows, scale, beta.reshape(-1))),
+                     (G.gelu_grn_apply, (rows, scale, None)), (G.gelu_grn_grad_sums, (g_rows, rows)),
+                     (G.gelu_grn_grad_apply, (g_rows, rows, scale, t))]:
+        torch.library.opcheck(op, args)
 
 
 def test_module_keeps_the_official_keys_and_runs_torch_ops_on_the_cpu():

@@ -61,6 +61,7 @@ CATEGORIES = (
     ("lkcnn large-kernel conv, 8-bit", ("dwconv8_",)),
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
+    ("lkcnn GELU + GRN", ("_grn_",)),  # lkcnn/ops/grn_triton.py's Triton kernels
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
     ("optimizer", ("multi_tensor", "adam")),
     ("8-bit GEMM (INT8 / FP8)", ("gemm8_kernel", "gemm8_tma_kernel", "i8i32", "_s8", "imma", "e4m3", "f8f8", "_qqtst",

@@ -34,7 +34,7 @@ def _load_tile(ptr, n, rows, cols, R, C, end):
 
 
 @triton.jit
-def _sumsq_kernel(h_ptr, part_ptr, R, C, rows_per_split, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _grn_sumsq_kernel(h_ptr, part_ptr, R, C, rows_per_split, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """part[n, s, c] = sum of GELU(h)^2 over split s of image n's rows."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     s, n = tl.program_id(1), tl.program_id(2)
@@ -49,8 +49,8 @@ def _sumsq_kernel(h_ptr, part_ptr, R, C, rows_per_split, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _apply_kernel(h_ptr, scale_ptr, beta_ptr, out_ptr, R, C, HAS_BETA: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
+def _grn_apply_kernel(h_ptr, scale_ptr, beta_ptr, out_ptr, R, C, HAS_BETA: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
     """out = GELU(h) * scale[n, c] + beta[c]."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -64,8 +64,8 @@ def _apply_kernel(h_ptr, scale_ptr, beta_ptr, out_ptr, R, C, HAS_BETA: tl.conste
 
 
 @triton.jit
-def _grad_sums_kernel(g_ptr, h_ptr, part_ptr, N, R, C, rows_per_split, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+def _grn_grad_sums_kernel(g_ptr, h_ptr, part_ptr, N, R, C, rows_per_split, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
     """part[0, n, s, c] = sum of g * GELU(h) and part[1, n, s, c] = sum of g over split s of image n's rows."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     s, n = tl.program_id(1), tl.program_id(2)
@@ -85,7 +85,8 @@ def _grad_sums_kernel(g_ptr, h_ptr, part_ptr, N, R, C, rows_per_split, BLOCK_R: 
 
 
 @triton.jit
-def _grad_apply_kernel(g_ptr, h_ptr, scale_ptr, t_ptr, dh_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _grn_grad_apply_kernel(g_ptr, h_ptr, scale_ptr, t_ptr, dh_ptr, R, C, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
     """dh = (g * scale[n, c] + GELU(h) * t[n, c]) * GELU'(h), GELU'(h) = Phi(h) + h * phi(h)."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -117,14 +118,14 @@ def splits(n: int, r: int, c: int, device: torch.device) -> tuple[int, int]:
 def sumsq(h: torch.Tensor, part: torch.Tensor) -> None:
     """part (N, splits, C) float32 = the partial sums of GELU(h)^2 over each image's rows; h (N, R, C) contiguous."""
     n, r, c = h.shape
-    _sumsq_kernel[(triton.cdiv(c, BLOCK_C), part.shape[1], n)](h, part, r, c, splits(n, r, c, h.device)[1],
-                                                               BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+    _grn_sumsq_kernel[(triton.cdiv(c, BLOCK_C), part.shape[1], n)](
+        h, part, r, c, splits(n, r, c, h.device)[1], BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
 
 
 def apply(h: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor | None, out: torch.Tensor) -> None:
     """out = GELU(h) * scale[n, c] (+ beta[c]); h and out (N, R, C) contiguous, scale (N, C) float32."""
     n, r, c = h.shape
-    _apply_kernel[(triton.cdiv(c, BLOCK_C), triton.cdiv(r, BLOCK_R), n)](
+    _grn_apply_kernel[(triton.cdiv(c, BLOCK_C), triton.cdiv(r, BLOCK_R), n)](
         h, scale, scale if beta is None else beta, out, r, c, HAS_BETA=beta is not None, BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C, num_warps=WARPS)
 
@@ -132,12 +133,12 @@ def apply(h: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor | None, out: 
 def grad_sums(g: torch.Tensor, h: torch.Tensor, part: torch.Tensor) -> None:
     """part (2, N, splits, C) float32 = the partial sums over each image's rows of g * GELU(h) and of g."""
     n, r, c = h.shape
-    _grad_sums_kernel[(triton.cdiv(c, BLOCK_C), part.shape[2], n)](g, h, part, n, r, c, splits(n, r, c, h.device)[1],
-                                                                   BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+    _grn_grad_sums_kernel[(triton.cdiv(c, BLOCK_C), part.shape[2], n)](
+        g, h, part, n, r, c, splits(n, r, c, h.device)[1], BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
 
 
 def grad_apply(g: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, t: torch.Tensor, dh: torch.Tensor) -> None:
     """dh = (g * scale[n, c] + GELU(h) * t[n, c]) * GELU'(h); scale and t (N, C) float32."""
     n, r, c = h.shape
-    _grad_apply_kernel[(triton.cdiv(c, BLOCK_C), triton.cdiv(r, BLOCK_R), n)](
+    _grn_grad_apply_kernel[(triton.cdiv(c, BLOCK_C), triton.cdiv(r, BLOCK_R), n)](
         g, h, scale, t, dh, r, c, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
