@@ -7,8 +7,9 @@ On a GPU, a contiguous NHWC input runs four Triton kernels (lkcnn/ops/grn_triton
 the per-image sums of x^2, then out; the per-image sums of g * x and of g, then the input gradient; GELU recomputed
 from h in each. What lies between them is per image and channel (N x C values) and stays in torch ops, so that
 torch.compile fuses it, and each pass is one registered op, so the compiled step keeps one graph. Why our own
-kernels: inductor's for this pattern sum an image's rows of channels in column reductions that ran at 1.0-1.5 TB/s
-on an H200, among the slowest kernels of a compiled UniRepLKNet-B step (docs/performance.md). Elsewhere (the CPU,
+kernels: inductor's for this pattern, column reductions over an image's rows that recompute GELU with libdevice's
+erf, are bound by that arithmetic (1.0-1.5 TB/s on an H200); these take GELU from one reciprocal and one
+exponential (lkcnn/ops/triton_math.py): UniRepLKNet-B +9.7% images/s (docs/performance.md). Elsewhere (the CPU,
 other layouts, `set_conv_impl('torch')`, `set_grn_kernels(False)`, ONNX export) the same arithmetic runs as torch
 ops, as the official code writes it.
 
