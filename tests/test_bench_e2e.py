@@ -23,6 +23,8 @@ NAMES = {
     # the small-branch kernels as demangled from csrc/dwconv/dwconv_branches.cu's anonymous namespace
     "void lkcnn::(anonymous namespace)::branches_conv_kernel<c10::BFloat16, false>(...)": "lkcnn small-branch conv",
     "_grn_grad_sums_kernel": "lkcnn GELU + GRN",
+    "_bn_stats_kernel": "lkcnn BatchNorm + GELU",
+    "_bn_gelu_grad_apply_kernel": "lkcnn BatchNorm + GELU",
     "void lkcnn::(anonymous namespace)::branches_wgrad_kernel<c10::BFloat16>(...)": "lkcnn small-branch conv",
     # and the tensor-core one of csrc/dwconv/dwconv_branches_tc.cu
     "void lkcnn::(anonymous namespace)::branch_tc_kernel<c10::BFloat16, 5, false>(...)": "lkcnn small-branch conv",
@@ -93,8 +95,8 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, cap
 
 
 def test_the_kernel_switch_variants_turn_only_their_kernels_off(monkeypatch):
-    """`--runs auto,auto_cudnn_small,auto_torch_grn` are the branch kernels' and the GELU + GRN kernels' A/Bs: the
-    same conv policy, one kind of kernel off."""
+    """`--runs auto,auto_cudnn_small,auto_torch_grn,auto_torch_bn_gelu` are the branch kernels', the GELU + GRN
+    kernels' and the BatchNorm + GELU kernels' A/Bs: the same conv policy, one kind of kernel off."""
     calls = []
 
     class Built(Exception):
@@ -103,13 +105,15 @@ def test_the_kernel_switch_variants_turn_only_their_kernels_off(monkeypatch):
     monkeypatch.setattr(e2e, "set_conv_impl", lambda impl: calls.append(("conv", impl)))
     monkeypatch.setattr(e2e, "set_branch_kernels", lambda on: calls.append(("branches", on)))
     monkeypatch.setattr(e2e, "set_grn_kernels", lambda on: calls.append(("grn", on)))
+    monkeypatch.setattr(e2e, "set_bn_gelu_kernels", lambda on: calls.append(("bn_gelu", on)))
     monkeypatch.setattr(e2e.timm, "create_model", lambda *a, **k: (_ for _ in ()).throw(Built()))
-    jobs = e2e.jobs(["unireplknet_b"], ["auto", "auto_cudnn_small", "auto_torch_grn"])
+    jobs = e2e.jobs(["unireplknet_b"], ["auto", "auto_cudnn_small", "auto_torch_grn", "auto_torch_bn_gelu"])
     for model, impl, kwargs in jobs.values():
         with pytest.raises(Built):
             e2e.setup(model, impl, batch=2, channels_last=True, compile=None, **kwargs)
-    assert calls == [("conv", "auto"), ("branches", True), ("grn", True), ("conv", "auto"), ("branches", False),
-                     ("grn", True), ("conv", "auto"), ("branches", True), ("grn", False)]
+    on = [("branches", True), ("grn", True), ("bn_gelu", True)]
+    assert calls == [("conv", "auto"), *on, ("conv", "auto"), ("branches", False), *on[1:],
+                     ("conv", "auto"), on[0], ("grn", False), on[2], ("conv", "auto"), *on[:2], ("bn_gelu", False)]
 
 
 def test_inductor_settings_reach_the_compile_and_the_record(monkeypatch, capsys):

@@ -87,13 +87,13 @@ def test_grn_kernels_switch_and_conv_policy_gate_the_kernel_path(monkeypatch):
 
 _INTERPRETED = textwrap.dedent("""
     import torch, torch.nn.functional as F
-    from lkcnn.ops import grn_triton as K
-    K._sm_count = lambda device: 6  # a small GPU: images' rows split over several programs
+    from lkcnn.ops import grn_triton as K, triton_tiles as T
+    T.sm_count = lambda device: 6  # a small GPU: images' rows split over several programs
     for n, r, c, dtype in [(2, 35, 40, torch.float32), (3, 81, 136, torch.bfloat16), (1, 99, 128, torch.float16),
                            (4, 7, 264, torch.bfloat16)]:
         h, g = torch.randn(n, r, c).to(dtype), torch.randn(n, r, c).to(dtype)
         scale, t, beta = torch.randn(n, c), torch.randn(n, c), torch.randn(c)
-        splits, rows = K.splits(n, r, c, h.device)
+        splits, rows = T.splits(n, r, c, h.device)
         x = F.gelu(h.double())
         part = torch.full((n, splits, c), float("nan"))
         K.sumsq(h, part)

@@ -29,7 +29,7 @@ from lkcnn.compile import AUTO_COMPILE_MODE, INDUCTOR_SETTINGS, compile_model, n
 from lkcnn.models import NO_SMALL_KERNEL, list_models  # importing lkcnn registers the models
 from lkcnn.layers import ReparamLargeKernelConv
 from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
-from lkcnn.ops import set_branch_kernels, set_conv_impl, set_grn_kernels, use_conv_impl
+from lkcnn.ops import set_bn_gelu_kernels, set_branch_kernels, set_conv_impl, set_grn_kernels, use_conv_impl
 
 COMPILE_MODE = AUTO_COMPILE_MODE  # the training app's module.compile=auto on a GPU
 SMALL = dict(kernel_sizes=3, small_kernel=NO_SMALL_KERNEL)  # RepLKNet's keywords for its 3x3 twin
@@ -42,6 +42,8 @@ VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "auto_cudnn_small": ("lkcnn 'auto', small branches on cuDNN", "auto:no_branch_kernels", {}),
     # the same with UniRepLKNet's GELU + GRN as torch ops (inductor's kernels): the GELU + GRN kernels' A/B
     "auto_torch_grn": ("lkcnn 'auto', GELU + GRN as torch ops", "auto:no_grn_kernels", {}),
+    # the same with RepLKNet's FFN BatchNorm + GELU as torch ops: the BatchNorm + GELU kernels' A/B
+    "auto_torch_bn_gelu": ("lkcnn 'auto', BatchNorm + GELU as torch ops", "auto:no_bn_gelu_kernels", {}),
     # the same dispatch with cuDNN autotuning its convolutions (cudnn.benchmark; else its heuristics pick)
     "auto_cudnn_benchmark": ("lkcnn 'auto', cudnn.benchmark", "auto:cudnn_benchmark", {}),
     "torch": ("PyTorch conv", "torch", {}),
@@ -62,6 +64,7 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     set_conv_impl(conv)
     set_branch_kernels("no_branch_kernels" not in flags)
     set_grn_kernels("no_grn_kernels" not in flags)
+    set_bn_gelu_kernels("no_bn_gelu_kernels" not in flags)
     torch.backends.cudnn.benchmark = "cudnn_benchmark" in flags
     model = timm.create_model(name, **model_kwargs).cuda()
     if channels_last:

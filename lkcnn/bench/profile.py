@@ -62,6 +62,7 @@ CATEGORIES = (
     ("lkcnn large-kernel conv", ("dwconv_",)),
     ("lkcnn layout copies", ("transpose_kernel",)),
     ("lkcnn GELU + GRN", ("_grn_",)),  # lkcnn/ops/grn_triton.py's Triton kernels
+    ("lkcnn BatchNorm + GELU", ("_bn_stats_kernel", "_bn_gelu_")),  # lkcnn/ops/bn_gelu_triton.py's
     ("cuDNN depthwise conv", ("_c1_k1", "depthwise")),
     ("optimizer", ("multi_tensor", "adam")),
     ("8-bit GEMM (INT8 / FP8)", ("gemm8_kernel", "gemm8_tma_kernel", "i8i32", "_s8", "imma", "e4m3", "f8f8", "_qqtst",

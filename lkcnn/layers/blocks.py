@@ -5,6 +5,8 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath
 
+from lkcnn.ops import batch_norm_gelu
+
 from .conv_bn import conv_bn
 from .reparam_conv import DilatedBranches, ReparamLargeKernelConv
 
@@ -39,4 +41,16 @@ class ConvFFN(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop_path(self.pw2(self.nonlinear(self.pw1(self.preffn_bn(x)))))
+        h = self.preffn_bn(x)
+        bn = getattr(self.pw1, "bn", None)  # nn.Identity in the deploy form (folded into the conv)
+        if (type(bn) is nn.BatchNorm2d and bn.training and bn.affine and bn.track_running_stats
+                and bn.momentum is not None and type(self.nonlinear) is nn.GELU
+                and self.nonlinear.approximate == "none"):
+            # in training, the BatchNorm and GELU as one op with lkcnn's kernels on a GPU (lkcnn.ops.bn_gelu); a
+            # synchronized BatchNorm (another type) keeps the module path
+            bn.num_batches_tracked.add_(1)
+            h = batch_norm_gelu(self.pw1.conv(h), bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum,
+                                bn.eps)
+        else:
+            h = self.nonlinear(self.pw1(h))
+        return x + self.drop_path(self.pw2(h))

@@ -77,8 +77,8 @@ def _partial_sums(h: Tensor, *lead: int) -> Tensor:
     cut the rows on a GPU, one elsewhere."""
     splits = 1
     if h.is_cuda:
-        from . import grn_triton  # Triton is imported only where a GPU runs the kernels
-        splits = grn_triton.splits(*h.shape, device=h.device)[0]
+        from . import triton_tiles  # Triton is imported only where a GPU runs the kernels
+        splits = triton_tiles.splits(*h.shape, device=h.device)[0]
     return h.new_empty(*lead, h.shape[0], splits, h.shape[2], dtype=torch.float32)
 
 
@@ -159,22 +159,28 @@ def _(g: Tensor, h: Tensor, scale: Tensor, t: Tensor) -> Tensor:
 
 
 # -------------------------------------------------------------------- the per-image terms between the passes
+def _terms(gx: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(m, nx, scale) from the norms gx (N, C): m = mean_c gx + eps, nx = gx / m, the output's scale gamma * nx + 1."""
+    m = gx.mean(-1, keepdim=True) + EPS
+    nx = gx / m
+    return m, nx, gamma.reshape(1, -1).float() * nx + 1
+
+
 class _GeluGRN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, gamma: Tensor, beta: Tensor | None) -> Tensor:
         rows = _rows(h)
         gx = gelu_grn_sumsq(rows).sum(1).sqrt()
-        m = gx.mean(-1, keepdim=True) + EPS
-        nx = gx / m
-        scale = gamma.reshape(1, -1).float() * nx + 1
+        scale = _terms(gx, gamma)[2]
         out = gelu_grn_apply(rows, scale, None if beta is None else beta.reshape(-1))
-        ctx.save_for_backward(h, gamma, gx, m, nx, scale)
+        ctx.save_for_backward(h, gamma, gx)
         ctx.beta_meta = None if beta is None else (beta.shape, beta.dtype)
         return out.view(h.shape)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        h, gamma, gx, m, nx, scale = ctx.saved_tensors
+        h, gamma, gx = ctx.saved_tensors
+        m, nx, scale = _terms(gx, gamma)
         rows = _rows(h)
         g = _rows(g.contiguous())
         sums = gelu_grn_grad_sums(g, rows).sum(2)

@@ -1,36 +1,19 @@
 """The Triton kernels behind `lkcnn.ops.gelu_grn` (see lkcnn/ops/grn.py for what they compute).
 
 Every tensor is an image's rows of channels, (N, R, C) contiguous: the NHWC output of the linear layer before the
-GELU. A program works on a BLOCK_R x BLOCK_C tile of one image (channels innermost, so each row of the tile is one
-contiguous load), loading each per-image, per-channel term once per tile. The two reductions sum over an image's
-rows for each channel (GRN's norm, its gradient's terms); an image's rows are split over several programs when the
-images and channel blocks alone give too few programs to fill the GPU, each split writing its partial sums, which
-the caller adds (a handful of rows per channel: deterministic, unlike atomics). GELU is nn.GELU()'s erf form from
-lkcnn/ops/triton_math.py: with libdevice's erf, its arithmetic rather than memory bounded these kernels (1.1-2.8 TB/s
-on an H200).
+GELU, tiled as lkcnn/ops/triton_tiles.py says. The two reductions sum over an image's rows for each channel (GRN's
+norm, its gradient's terms), split over programs where needed, each split writing its partial sums, which the caller
+adds. GELU is nn.GELU()'s erf form from lkcnn/ops/triton_math.py: with libdevice's erf, its arithmetic rather than
+memory bounded these kernels (1.1-2.8 TB/s on an H200).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from lkcnn.ops.triton_math import gelu, normal_cdf_pdf
-
-BLOCK_R = 32
-BLOCK_C = 128
-WARPS = 8
-
-
-@triton.jit
-def _load_tile(ptr, n, rows, cols, R, C, end):
-    """The (rows, cols) tile of image n (R rows of C) as float32, zero at rows from `end` and columns past C; and
-    its offsets and mask."""
-    offs = n.to(tl.int64) * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
-    mask = (rows[:, None] < end) & (cols[None, :] < C)
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+from lkcnn.ops.triton_tiles import BLOCK_C, BLOCK_R, WARPS, load_tile, splits
 
 
 @triton.jit
@@ -43,7 +26,7 @@ def _grn_sumsq_kernel(h_ptr, part_ptr, R, C, rows_per_split, BLOCK_R: tl.constex
     acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     for r in range(0, rows_per_split, BLOCK_R):
         rows = first + r + tl.arange(0, BLOCK_R)
-        x = gelu(_load_tile(h_ptr, n, rows, cols, R, C, end)[0])
+        x = gelu(load_tile(h_ptr, n, rows, cols, R, C, end)[0])
         acc += x * x
     tl.store(part_ptr + (n * tl.num_programs(1) + s).to(tl.int64) * C + cols, tl.sum(acc, axis=0), mask=cols < C)
 
@@ -55,7 +38,7 @@ def _grn_apply_kernel(h_ptr, scale_ptr, beta_ptr, out_ptr, R, C, HAS_BETA: tl.co
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.program_id(2)
-    h, offs, mask = _load_tile(h_ptr, n, rows, cols, R, C, R)
+    h, offs, mask = load_tile(h_ptr, n, rows, cols, R, C, R)
     scale = tl.load(scale_ptr + n.to(tl.int64) * C + cols, mask=cols < C, other=0.0)
     out = gelu(h) * scale[None, :]
     if HAS_BETA:
@@ -75,8 +58,8 @@ def _grn_grad_sums_kernel(g_ptr, h_ptr, part_ptr, N, R, C, rows_per_split, BLOCK
     acc_g = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     for r in range(0, rows_per_split, BLOCK_R):
         rows = first + r + tl.arange(0, BLOCK_R)
-        g, _, _ = _load_tile(g_ptr, n, rows, cols, R, C, end)
-        h, _, _ = _load_tile(h_ptr, n, rows, cols, R, C, end)
+        g, _, _ = load_tile(g_ptr, n, rows, cols, R, C, end)
+        h, _, _ = load_tile(h_ptr, n, rows, cols, R, C, end)
         acc_gx += g * gelu(h)
         acc_g += g
     offs = (n * tl.num_programs(1) + s).to(tl.int64) * C + cols
@@ -91,28 +74,14 @@ def _grn_grad_apply_kernel(g_ptr, h_ptr, scale_ptr, t_ptr, dh_ptr, R, C, BLOCK_R
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     n = tl.program_id(2)
-    g, offs, mask = _load_tile(g_ptr, n, rows, cols, R, C, R)
-    h, _, _ = _load_tile(h_ptr, n, rows, cols, R, C, R)
+    g, offs, mask = load_tile(g_ptr, n, rows, cols, R, C, R)
+    h, _, _ = load_tile(h_ptr, n, rows, cols, R, C, R)
     scale = tl.load(scale_ptr + n.to(tl.int64) * C + cols, mask=cols < C, other=0.0)
     t = tl.load(t_ptr + n.to(tl.int64) * C + cols, mask=cols < C, other=0.0)
     cdf, pdf = normal_cdf_pdf(h)
     dx = g * scale[None, :] + h * cdf * t[None, :]
     dh = dx * (cdf + h * pdf)
     tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def splits(n: int, r: int, c: int, device: torch.device) -> tuple[int, int]:
-    """(splits of each image's rows, rows a split): enough programs for ~4 waves of one program an SM, each split a
-    whole number of row blocks."""
-    programs = n * triton.cdiv(c, BLOCK_C)
-    count = max(1, min(triton.cdiv(4 * _sm_count(device), programs), triton.cdiv(r, BLOCK_R)))
-    rows = triton.cdiv(triton.cdiv(r, count), BLOCK_R) * BLOCK_R
-    return triton.cdiv(r, rows), rows
 
 
 def sumsq(h: torch.Tensor, part: torch.Tensor) -> None:

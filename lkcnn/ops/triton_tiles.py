@@ -1,0 +1,43 @@
+"""The tiling that lkcnn's Triton normalization kernels share (lkcnn/ops/grn_triton.py, lkcnn/ops/bn_gelu_triton.py).
+
+A tensor is read as groups of rows of channels, (N, R, C) contiguous: an NHWC activation, one group an image (GRN's
+per-image sums) or one group of all N*H*W rows (BatchNorm's per-channel sums). A program works on BLOCK_R x BLOCK_C
+tiles, channels innermost, so each row of a tile is one contiguous load and each per-channel term is loaded once a
+tile. A reduction over a group's rows is split over several programs when the groups and channel blocks alone give
+too few programs to fill the GPU; each split writes its partial result, which the caller merges (a handful of rows
+per channel: deterministic, unlike atomics).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_R = 32
+BLOCK_C = 128
+WARPS = 8
+
+
+@triton.jit
+def load_tile(ptr, n, rows, cols, R, C, end):
+    """The (rows, cols) tile of group n (R rows of C) as float32, zero at rows from `end` and columns past C; and
+    its offsets and mask."""
+    offs = tl.cast(n, tl.int64) * R * C + rows[:, None].to(tl.int64) * C + cols[None, :]
+    mask = (rows[:, None] < end) & (cols[None, :] < C)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splits(n: int, r: int, c: int, device: torch.device) -> tuple[int, int]:
+    """(splits of each group's rows, rows a split): enough programs for ~4 waves of one program an SM, each split a
+    whole number of row blocks."""
+    programs = n * triton.cdiv(c, BLOCK_C)
+    count = max(1, min(triton.cdiv(4 * sm_count(device), programs), triton.cdiv(r, BLOCK_R)))
+    rows = triton.cdiv(triton.cdiv(r, count), BLOCK_R) * BLOCK_R
+    return triton.cdiv(r, rows), rows

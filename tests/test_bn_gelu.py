@@ -1,0 +1,169 @@
+"""lkcnn.ops.batch_norm_gelu on the CPU: the kernel path's autograd arithmetic (the moments merged between the passes
+and the hand-written backward, through the ops' torch implementations, in float32 as the kernels compute) against
+autograd of F.gelu(F.batch_norm(...)) in float64, the running statistics against nn.BatchNorm2d's, opcheck of the
+registered passes, the dispatch and ConvFFN's use of it, and the four Triton kernels in Triton's interpreter against
+float64."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lkcnn.layers import ConvFFN
+from lkcnn.ops import bn_gelu as B
+
+
+def _case(n, c, h, w, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64) * 2 + torch.randn(c, 1, 1, generator=gen)
+    x[:, 0] += 300.0  # a channel whose mean is large against its spread
+    weight, bias = (torch.randn(c, generator=gen, dtype=torch.float64) for _ in range(2))
+    g = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64)
+    return x.contiguous(memory_format=torch.channels_last), weight, bias, g
+
+
+def _reference(x, weight, bias, g, running):
+    """out, dx, dweight, dbias of F.gelu(F.batch_norm(...)) in float64 autograd; `running` updated in place."""
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    out = F.gelu(F.batch_norm(leaves[0], *running, leaves[1], leaves[2], True, 0.1, 1e-5))
+    out.backward(g)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _kernel_path(x, weight, bias, g, running, monkeypatch):
+    """The same through batch_norm_gelu's kernel path, the registered passes running their CPU implementations."""
+    monkeypatch.setattr(B, "uses_kernels", lambda t: True)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    out = B.batch_norm_gelu(leaves[0], leaves[1], leaves[2], *running, 0.1, 1e-5)
+    out.backward(g)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_kernel_path_arithmetic_matches_float64_autograd_and_running_statistics(monkeypatch):
+    x, weight, bias, g = _case(3, 12, 5, 7, seed=torch.seed() % 2**31)
+    running_ref = [torch.randn(12, dtype=torch.float64), torch.rand(12, dtype=torch.float64) + 0.5]
+    running = [t.clone() for t in running_ref]
+    ref = _reference(x, weight, bias, g, running_ref)
+    ours = _kernel_path(x, weight, bias, g, running, monkeypatch)
+    for name, a, b in zip(["out", "dx", "dweight", "dbias"], ours, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) < 1e-5, name  # the kernel path computes in float32
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(running, running_ref):
+        assert _rel(a, b) < 1e-6
+
+
+def test_registered_passes_pass_opcheck():
+    """Schema, fake implementations and dispatch of the four registered passes (their CPU implementations)."""
+    x, g = torch.randn(40, 8), torch.randn(40, 8)
+    a, b, mean, rstd, c0, c1 = (torch.randn(8) for _ in range(6))
+    for op, args in [(B.bn_gelu_stats, (x,)), (B.bn_gelu_apply, (x, a, b)),
+                     (B.bn_gelu_grad_sums, (g, x, a, b, mean, rstd)),
+                     (B.bn_gelu_grad_apply, (g, x, a, b, mean, rstd, c0, c1))]:
+        torch.library.opcheck(op, args)
+
+
+def test_switch_and_conv_policy_gate_the_kernel_path(monkeypatch):
+    x = torch.empty(2, 8, 3, 3, device="meta").contiguous(memory_format=torch.channels_last)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert B.uses_kernels(x) == B.TRITON
+    B.set_bn_gelu_kernels(False)
+    try:
+        assert not B.uses_kernels(x)
+    finally:
+        B.set_bn_gelu_kernels(True)
+    from lkcnn.ops import use_conv_impl
+    with use_conv_impl("torch"):
+        assert not B.uses_kernels(x)
+    assert not B.uses_kernels(x.contiguous())  # NCHW
+    assert not B.uses_kernels(x.to(torch.float64))
+    assert not B.uses_kernels(x[:1, :, :1, :1])  # one value a channel: no variance
+
+
+def test_conv_ffn_takes_the_kernel_path_in_training_only_and_matches_its_modules(monkeypatch):
+    torch.manual_seed(torch.seed() % 2**31)
+    ffn = ConvFFN(8, 32).double()
+    twin = ConvFFN(8, 32).double()
+    twin.load_state_dict(ffn.state_dict())
+    x = torch.randn(2, 8, 6, 6, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    calls = []
+    monkeypatch.setattr(B, "uses_kernels", lambda t: calls.append(t.shape) or True)
+    out = ffn(x)
+    out.square().sum().backward()
+    assert calls == [(2, 32, 6, 6)]
+    monkeypatch.setattr(B, "uses_kernels", lambda t: False)
+    ref = twin(x)
+    ref.square().sum().backward()
+    assert _rel(out, ref) < 1e-5
+    scale = torch.cat([q.grad.flatten() for q in twin.parameters()]).norm()
+    for (name, p), q in zip(ffn.named_parameters(), twin.parameters()):  # preffn_bn.bias's is ~0: scaled by all
+        assert (p.grad - q.grad).norm() < 1e-5 * max(q.grad.norm(), 1e-3 * scale), name
+    for (name, b), c in zip(ffn.named_buffers(), twin.buffers()):
+        assert torch.allclose(b.double(), c.double(), rtol=1e-6), name
+    calls.clear()
+    monkeypatch.setattr(B, "uses_kernels", lambda t: calls.append(t.shape) or True)
+    with torch.no_grad():
+        assert _rel(ffn.eval()(x), twin.eval()(x)) < 1e-6  # running statistics equal to float32 rounding
+    assert calls == []  # eval: the modules, running statistics
+
+
+_INTERPRETED = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from lkcnn.ops import bn_gelu_triton as K, triton_tiles as T
+    T.sm_count = lambda device: 6  # a small GPU: the rows split over several programs
+    for r, c, dtype in [(35, 40, torch.float32), (243, 136, torch.bfloat16), (99, 128, torch.float16),
+                        (28, 264, torch.bfloat16)]:
+        x = torch.randn(r, c) * 3 + torch.randn(c) * 50
+        x[:, 1] += 3000.0  # a mean 1000 times the spread: sums of x and x^2 would cancel
+        x = x.to(dtype)
+        g = torch.randn(r, c).to(dtype)
+        a, b, rstd, c0, c1 = torch.randn(c), torch.randn(c), torch.rand(c) + 0.1, torch.randn(c), torch.randn(c)
+        mean = x.double().mean(0).float()
+        splits, rows = T.splits(1, r, c, x.device)
+        xd = x.double()
+        part = torch.full((3, splits, c), float("nan"))
+        K.stats(x, part)
+        count, means, m2 = part.double()
+        merged = (count * means).sum(0) / r
+        checks = {"count": (count.sum(0), torch.full((c,), float(r), dtype=torch.float64)),
+                  "mean": (merged, xd.mean(0)),
+                  "m2": ((m2 + count * (means - merged) ** 2).sum(0), ((xd - xd.mean(0)) ** 2).sum(0))}
+        out = torch.full_like(x, float("nan"))
+        K.apply(x, a, b, out)
+        z = (xd * a.double() + b.double()).requires_grad_()
+        checks["out"] = (out, F.gelu(z).detach())
+        (dz,) = torch.autograd.grad(F.gelu(z), z, g.double())
+        x_hat = (xd - mean.double()) * rstd.double()
+        part = torch.full((2, splits, c), float("nan"))
+        K.grad_sums(g, x, [a, b, mean, rstd], part)
+        checks["sum dz"] = (part[0].sum(0), dz.sum(0))
+        checks["sum dz*x_hat"] = (part[1].sum(0), (dz * x_hat).sum(0))
+        dx = torch.full_like(x, float("nan"))
+        K.grad_apply(g, x, [a, b, mean, rstd, c0, c1], dx)
+        checks["dx"] = (dx, a.double() * (dz - c0.double() - x_hat * c1.double()))
+        tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+        for name, (u, v) in checks.items():
+            err = ((u.double() - v).norm() / v.norm()).item()
+            assert err < (1e-6 if u.dtype in (torch.float32, torch.float64) else tol), (name, r, c, dtype, splits, err)
+    print("ok")
+""")
+
+
+def test_triton_kernels_in_the_interpreter_match_float64():
+    """The kernels themselves, run by Triton's interpreter on the CPU (its own process: TRITON_INTERPRET is read when
+    the kernels are defined), outputs NaN before each launch; the GPU runs them in tests/test_bn_gelu_gpu.py."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
+        pytest.skip("Triton's interpreter takes a runtime loop bound from 3.8 on (before, int() of a 1-element array)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
