@@ -66,7 +66,9 @@ def test_registered_passes_pass_opcheck():
     """Schema, fake implementations and dispatch of the four registered passes (their CPU implementations)."""
     x, g = torch.randn(40, 8), torch.randn(40, 8)
     a, b, mean, rstd, c0, c1 = (torch.randn(8) for _ in range(6))
-    for op, args in [(B.bn_gelu_stats, (x,)), (B.bn_gelu_apply, (x, a, b)),
+    weight, bias = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    leaf = x.clone().requires_grad_()
+    for op, args in [(B.bn_gelu_stats, (x,)), (B.bn_gelu_apply, (leaf, weight, bias, mean, rstd, a, b)),
                      (B.bn_gelu_grad_sums, (g, x, a, b, mean, rstd)),
                      (B.bn_gelu_grad_apply, (g, x, a, b, mean, rstd, c0, c1))]:
         torch.library.opcheck(op, args)
@@ -167,3 +169,33 @@ def test_triton_kernels_in_the_interpreter_match_float64():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_compiled_kernel_path_is_one_graph_that_aot_autograds_cache_keeps(monkeypatch, tmp_path):
+    """A ConvFFN on the kernel path (the passes' CPU implementations) compiles with fullgraph (a graph break fails)
+    into a graph that AOT autograd's cache stores, as the training app's second run needs to skip the compile (an
+    autograd.Function in the graph makes the cache bypass it), and computes what eager does."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(B, "uses_kernels", lambda t: True)
+    torch.manual_seed(torch.seed() % 2**31)
+    ffn = ConvFFN(8, 32).to(memory_format=torch.channels_last)
+    start = {k: v.clone() for k, v in ffn.state_dict().items()}
+    x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    eager = ffn(x)
+    eager.square().sum().backward()
+    grads = [p.grad.clone() for p in ffn.parameters()]
+    ffn.load_state_dict(start)
+    ffn.zero_grad()
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
+        out = torch.compile(ffn, fullgraph=True)(x)
+        out.square().sum().backward()
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_saved"] == 1
+    assert _rel(out.detach(), eager.detach()) < 1e-5
+    scale = torch.cat([q.flatten() for q in grads]).norm()
+    for p, q in zip(ffn.parameters(), grads):  # preffn_bn.bias's is ~0: scaled by all
+        assert (p.grad - q).norm() < 1e-4 * max(q.norm(), 1e-3 * scale)

@@ -36,10 +36,12 @@ def _grads(fn, x, gamma, beta, g):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("zero_channel", [False, True])
-def test_kernel_path_arithmetic_matches_the_official_composition_in_float64(bias, zero_channel):
+def test_kernel_path_arithmetic_matches_the_official_composition_in_float64(bias, zero_channel, monkeypatch):
     x, gamma, beta, g = _case(3, 5, 7, 12, seed=torch.seed() % 2**31, zero_channel=zero_channel)
     beta = beta if bias else None
-    ours = _grads(G._GeluGRN.apply, x, gamma, beta, g)
+    monkeypatch.setattr(G, "uses_kernels", lambda t: True)  # the passes run their CPU implementations
+    ours = _grads(G.gelu_grn, x, gamma, beta, g)
+    monkeypatch.undo()
     ref = _grads(lambda a, b, c: G.grn(F.gelu(a), b, c), x, gamma, beta, g)
     for name, a, b in zip(["out", "dx", "dgamma", "dbeta"], ours, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -51,8 +53,11 @@ def test_registered_passes_pass_opcheck():
     h, gamma, beta, g = (t.float() for t in _case(2, 3, 5, 8, seed=torch.seed() % 2**31))
     rows, g_rows = h.reshape(2, -1, 8), g.reshape(2, -1, 8)
     scale, t = torch.randn(2, 8), torch.randn(2, 8)
-    for op, args in [(G.gelu_grn_sumsq, (rows,)), (G.gelu_grn_apply, (rows, scale, beta.reshape(-1))),
-                     (G.gelu_grn_apply, (rows, scale, None)), (G.gelu_grn_grad_sums, (g_rows, rows)),
+    gx = F.gelu(rows).norm(dim=1)
+    leaves = [t.clone().requires_grad_() for t in (rows, gamma, beta)]
+    for op, args in [(G.gelu_grn_sumsq, (rows,)), (G.gelu_grn_apply, (*leaves, gx, G._terms(gx, gamma)[2])),
+                     (G.gelu_grn_apply, (*leaves[:2], None, gx, G._terms(gx, gamma)[2])),
+                     (G.gelu_grn_grad_sums, (g_rows, rows)),
                      (G.gelu_grn_grad_apply, (g_rows, rows, scale, t))]:
         torch.library.opcheck(op, args)
 
@@ -127,3 +132,33 @@ def test_triton_kernels_in_the_interpreter_match_float64():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_compiled_kernel_path_is_one_graph_that_aot_autograds_cache_keeps(monkeypatch, tmp_path):
+    """Linear -> GELU + GRN -> Linear on the kernel path (the passes' CPU implementations) compiles with fullgraph
+    into a graph that AOT autograd's cache stores (an autograd.Function in it makes the cache bypass the graph, and
+    the training app's second run compile anew), and computes what eager does."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(G, "uses_kernels", lambda t: True)
+    torch.manual_seed(torch.seed() % 2**31)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), GELUGRN(32), torch.nn.Linear(32, 8))
+    with torch.no_grad():
+        model[1][1].gamma.normal_()
+        model[1][1].beta.normal_()
+    x = torch.randn(2, 5, 5, 8)
+    eager = model(x)
+    eager.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
+        out = torch.compile(model, fullgraph=True)(x)
+        out.square().sum().backward()
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_saved"] == 1
+    assert ((out - eager).norm() / eager.norm()).item() < 1e-5
+    for p, q in zip(model.parameters(), grads):
+        assert ((p.grad - q).norm() / q.norm()).item() < 1e-4

@@ -4,11 +4,13 @@ running statistics updated), as RepLKNet's ConvFFN applies them after its first 
 On a GPU, a channels_last x runs four Triton kernels (lkcnn/ops/bn_gelu_triton.py), two passes each way: the
 per-channel moments of x, then the output; the per-channel sums of dz = g * GELU'(z) and of dz * x_hat, then the input
 gradient; GELU recomputed from x in each. What lies between them is per channel and stays in torch ops (inductor
-fuses it); each pass is one registered op, so the compiled step keeps one graph. Why our own kernels: inductor's for
-this pattern recompute GELU with libdevice's erf in the forward, the gradient sums and the gradient apply, and are
-bound by that arithmetic (1.4-2.2 TB/s on an H200, docs/performance.md, Open 5), and its one-dimensional pointwise
-kernels load the per-channel terms at every element; these take GELU from one reciprocal and one exponential
-(lkcnn/ops/triton_math.py) and load the terms once a tile. Elsewhere (the CPU, other layouts, `set_conv_impl('torch')`,
+fuses it); each pass is one registered op, so the compiled step keeps one graph, and the output pass's registered
+backward runs the other two, so the graph holds no autograd.Function (AOT autograd's cache would skip it). Why our
+own kernels: inductor's for this pattern recompute GELU with libdevice's erf in the forward, the gradient sums and
+the gradient apply, and are bound by that arithmetic (1.4-2.2 TB/s on an H200, docs/performance.md, Open 5), and its
+one-dimensional pointwise kernels load the per-channel terms at every element; these take GELU from one reciprocal
+and one exponential (lkcnn/ops/triton_math.py) and load the terms once a tile: RepLKNet-31B +2.7% images/s
+(docs/performance.md). Elsewhere (the CPU, other layouts, `set_conv_impl('torch')`,
 `set_bn_gelu_kernels(False)`, ONNX export) F.batch_norm and F.gelu run.
 
 The kernel path returns x's dtype, as F.batch_norm does for a 16-bit input under autocast.
@@ -51,12 +53,16 @@ def batch_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tenso
         return F.gelu(F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps))
     n, c, h, w = x.shape
     rows = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view: x is channels_last
-    out, mean, var = _BatchNormGELU.apply(rows, weight, bias, eps)
-    with torch.no_grad():
+    with torch.no_grad():  # the statistics' gradient is bn_gelu_apply's backward's
+        count, means, m2 = bn_gelu_stats(rows.detach())
+        mean = (count * means).sum(0) / rows.shape[0]  # the splits' moments merged (Chan et al.)
+        var = (m2 + count * (means - mean).square()).sum(0) / rows.shape[0]
+        rstd = torch.rsqrt(var + eps)
         running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        count = rows.shape[0]
-        running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
-    return out.view(n, h, w, c).permute(0, 3, 1, 2)
+        running_var.lerp_((var * (rows.shape[0] / (rows.shape[0] - 1))).to(running_var.dtype), momentum)
+        a = weight.detach().float() * rstd
+        b = bias.detach().float() - mean * a
+    return bn_gelu_apply(rows, weight, bias, mean, rstd, a, b).view(n, h, w, c).permute(0, 3, 1, 2)
 
 
 # ------------------------------------------------------------------------------------------- the four passes
@@ -91,18 +97,21 @@ def _(x: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("lkcnn::bn_gelu_apply", mutates_args=())
-def bn_gelu_apply(x: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """GELU(x * a[c] + b[c]) in x's dtype; a and b (C,) float32."""
+def bn_gelu_apply(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """GELU(x * a[c] + b[c]) in x's dtype, a = weight * rstd and b = bias - mean * a (float32, (C,)), where mean and
+    rstd are x's batch statistics: the backward differentiates through them (the BatchNorm's whole input gradient),
+    so x, weight and bias are the differentiable inputs. One op with its own backward, not an autograd.Function:
+    AOT autograd's cache skips graphs that hold one (then every run compiles anew)."""
     return F.gelu(x.float() * a + b).to(x.dtype)
 
 
 @bn_gelu_apply.register_fake
-def _(x: Tensor, a: Tensor, b: Tensor) -> Tensor:
+def _(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
 @bn_gelu_apply.register_kernel("cuda")
-def _(x: Tensor, a: Tensor, b: Tensor) -> Tensor:
+def _(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor, a: Tensor, b: Tensor) -> Tensor:
     from . import bn_gelu_triton
     out = _new_like(x)
     bn_gelu_triton.apply(x.contiguous(), a.contiguous(), b.contiguous(), out)
@@ -161,30 +170,20 @@ def _(g: Tensor, x: Tensor, a: Tensor, b: Tensor, mean: Tensor, rstd: Tensor, c0
     return dx
 
 
-# ----------------------------------------------------------------------- the per-channel terms between the passes
-def _affine(weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    """(a, b) with BatchNorm's output z = x * a + b: a = weight * rstd, b = bias - mean * a."""
-    a = weight.float() * rstd
-    return a, bias.float() - mean * a
+# ------------------------------------------------------------------------------------ bn_gelu_apply's backward
+def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+    x, weight, bias, mean, rstd, a, b = inputs
+    ctx.save_for_backward(x, mean, rstd, a, b)
+    ctx.dtypes = weight.dtype, bias.dtype
 
 
-class _BatchNormGELU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        count, means, m2 = bn_gelu_stats(x)
-        mean = (count * means).sum(0) / x.shape[0]  # the splits' moments merged (Chan et al.)
-        var = (m2 + count * (means - mean).square()).sum(0) / x.shape[0]
-        rstd = torch.rsqrt(var + eps)
-        out = bn_gelu_apply(x, *_affine(weight, bias, mean, rstd))
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.mark_non_differentiable(mean, var)
-        return out, mean, var
+def _backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+    x, mean, rstd, a, b = ctx.saved_tensors
+    terms = [a, b, mean, rstd]
+    g = g.contiguous()
+    sum_dz, sum_dzx = bn_gelu_grad_sums(g, x, *terms).sum(1)
+    dx = bn_gelu_grad_apply(g, x, *terms, sum_dz / x.shape[0], sum_dzx / x.shape[0])
+    return dx, sum_dzx.to(ctx.dtypes[0]), sum_dz.to(ctx.dtypes[1]), None, None, None, None
 
-    @staticmethod
-    def backward(ctx, g: Tensor, _mean: Tensor, _var: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        terms = [*_affine(weight, bias, mean, rstd), mean, rstd]
-        g = g.contiguous()
-        sum_dz, sum_dzx = bn_gelu_grad_sums(g, x, *terms).sum(1)
-        dx = bn_gelu_grad_apply(g, x, *terms, sum_dz / x.shape[0], sum_dzx / x.shape[0])
-        return dx, sum_dzx.to(weight.dtype), sum_dz.to(bias.dtype), None
+
+bn_gelu_apply.register_autograd(_backward, setup_context=_setup_context)

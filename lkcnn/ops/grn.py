@@ -3,15 +3,16 @@ NHWC tensor, as UniRepLKNet's blocks apply them after their first linear layer:
 
     x = GELU(h)   gx[n, c] = ||x[n, :, :, c]||_2   nx = gx / (mean_c gx + 1e-6)   out = (gamma * nx + 1) * x + beta
 
-On a GPU, a contiguous NHWC input runs four Triton kernels (lkcnn/ops/grn_triton.py), two passes each way:
-the per-image sums of x^2, then out; the per-image sums of g * x and of g, then the input gradient; GELU recomputed
-from h in each. What lies between them is per image and channel (N x C values) and stays in torch ops, so that
-torch.compile fuses it, and each pass is one registered op, so the compiled step keeps one graph. Why our own
-kernels: inductor's for this pattern, column reductions over an image's rows that recompute GELU with libdevice's
-erf, are bound by that arithmetic (1.0-1.5 TB/s on an H200); these take GELU from one reciprocal and one
-exponential (lkcnn/ops/triton_math.py): UniRepLKNet-B +9.7% images/s (docs/performance.md). Elsewhere (the CPU,
-other layouts, `set_conv_impl('torch')`, `set_grn_kernels(False)`, ONNX export) the same arithmetic runs as torch
-ops, as the official code writes it.
+On a GPU, a contiguous NHWC input runs four Triton kernels (lkcnn/ops/grn_triton.py), two passes each way: the
+per-image sums of x^2, then out; the per-image sums of g * x and of g, then the input gradient; GELU recomputed from h
+in each. What lies between them is per image and channel (N x C values) and stays in torch ops, so that
+torch.compile fuses it, and each pass is one registered op, so the compiled step keeps one graph; the output pass's
+registered backward runs the other two, so the graph holds no autograd.Function (AOT autograd's cache would skip it,
+and a second run would compile anew). Why our own kernels: inductor's for this pattern, column reductions over an
+image's rows that recompute GELU with libdevice's erf, are bound by that arithmetic (1.0-1.5 TB/s on an H200); these
+take GELU from one reciprocal and one exponential (lkcnn/ops/triton_math.py): UniRepLKNet-B +9.7% images/s
+(docs/performance.md). Elsewhere (the CPU, other layouts, `set_conv_impl('torch')`, `set_grn_kernels(False)`, ONNX
+export) the same arithmetic runs as torch ops, as the official code writes it.
 
 The kernel path returns h's dtype (under autocast, the 16-bit activation the next linear layer casts to anyway).
 """
@@ -57,7 +58,11 @@ def gelu_grn(h: Tensor, gamma: Tensor, beta: Tensor | None) -> Tensor:
     """GRN(GELU(h)) of an NHWC tensor h (N, H, W, C); gamma and beta hold C values (beta may be None)."""
     if not uses_kernels(h):
         return grn(F.gelu(h), gamma, beta)
-    return _GeluGRN.apply(h, gamma, beta)
+    rows = _rows(h)
+    with torch.no_grad():  # the norms' gradient is gelu_grn_apply's backward's
+        gx = gelu_grn_sumsq(rows.detach()).sum(1).sqrt()
+        scale = _terms(gx, gamma.detach())[2]
+    return gelu_grn_apply(rows, gamma, beta, gx, scale).view(h.shape)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -96,22 +101,25 @@ def _(h: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("lkcnn::gelu_grn_apply", mutates_args=())
-def gelu_grn_apply(h: Tensor, scale: Tensor, beta: Tensor | None) -> Tensor:
-    """GELU(h) * scale[n, c] (+ beta[c]) in h's dtype; scale (N, C) float32."""
+def gelu_grn_apply(h: Tensor, gamma: Tensor, beta: Tensor | None, gx: Tensor, scale: Tensor) -> Tensor:
+    """GELU(h) * scale[n, c] (+ beta[c]) in h's dtype, where gx (N, C) float32 holds the norms of GELU(h) and
+    scale = gamma * nx + 1 (`_terms`): the backward differentiates through them (GRN's whole input gradient), so h,
+    gamma and beta (C values each) are the differentiable inputs. One op with its own backward, not an
+    autograd.Function: AOT autograd's cache skips graphs that hold one (then every run compiles anew)."""
     out = F.gelu(h.float()) * scale[:, None, :]
-    return (out if beta is None else out + beta.float()).to(h.dtype)
+    return (out if beta is None else out + beta.float().reshape(-1)).to(h.dtype)
 
 
 @gelu_grn_apply.register_fake
-def _(h: Tensor, scale: Tensor, beta: Tensor | None) -> Tensor:
+def _(h: Tensor, gamma: Tensor, beta: Tensor | None, gx: Tensor, scale: Tensor) -> Tensor:
     return torch.empty_like(h)
 
 
 @gelu_grn_apply.register_kernel("cuda")
-def _(h: Tensor, scale: Tensor, beta: Tensor | None) -> Tensor:
+def _(h: Tensor, gamma: Tensor, beta: Tensor | None, gx: Tensor, scale: Tensor) -> Tensor:
     from . import grn_triton
     out = _new_like(h)
-    grn_triton.apply(h.contiguous(), scale.contiguous(), None if beta is None else beta.contiguous(), out)
+    grn_triton.apply(h.contiguous(), scale.contiguous(), None if beta is None else beta.reshape(-1).contiguous(), out)
     return out
 
 
@@ -158,7 +166,7 @@ def _(g: Tensor, h: Tensor, scale: Tensor, t: Tensor) -> Tensor:
     return dh
 
 
-# -------------------------------------------------------------------- the per-image terms between the passes
+# ------------------------------------------------------------------------------------ gelu_grn_apply's backward
 def _terms(gx: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(m, nx, scale) from the norms gx (N, C): m = mean_c gx + eps, nx = gx / m, the output's scale gamma * nx + 1."""
     m = gx.mean(-1, keepdim=True) + EPS
@@ -166,31 +174,27 @@ def _terms(gx: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return m, nx, gamma.reshape(1, -1).float() * nx + 1
 
 
-class _GeluGRN(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h: Tensor, gamma: Tensor, beta: Tensor | None) -> Tensor:
-        rows = _rows(h)
-        gx = gelu_grn_sumsq(rows).sum(1).sqrt()
-        scale = _terms(gx, gamma)[2]
-        out = gelu_grn_apply(rows, scale, None if beta is None else beta.reshape(-1))
-        ctx.save_for_backward(h, gamma, gx)
-        ctx.beta_meta = None if beta is None else (beta.shape, beta.dtype)
-        return out.view(h.shape)
+def _setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+    h, gamma, beta, gx, scale = inputs
+    ctx.save_for_backward(h, gamma, gx)
+    ctx.beta_meta = None if beta is None else (beta.shape, beta.dtype)
 
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        h, gamma, gx = ctx.saved_tensors
-        m, nx, scale = _terms(gx, gamma)
-        rows = _rows(h)
-        g = _rows(g.contiguous())
-        sums = gelu_grn_grad_sums(g, rows).sum(2)
-        gxs, gs = sums[0], sums[1]  # per image and channel: sum of g * x, sum of g
-        dgamma = (gxs * nx).sum(0)
-        dnx = gxs * gamma.reshape(1, -1).float()
-        # nx = gx / m with m = mean_c(gx) + eps; then gx = ||x||, whose gradient is x / gx (0 where gx is 0, as
-        # torch.norm's backward has it)
-        dgx = dnx / m - (dnx * gx).sum(-1, keepdim=True) / (m * m * gx.shape[-1])
-        t = torch.where(gx > 0, dgx / gx.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-        dh = gelu_grn_grad_apply(g, rows, scale, t).view(h.shape)
-        dbeta = None if ctx.beta_meta is None else gs.sum(0).reshape(ctx.beta_meta[0]).to(ctx.beta_meta[1])
-        return dh, dgamma.reshape(gamma.shape).to(gamma.dtype), dbeta
+
+def _backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+    h, gamma, gx = ctx.saved_tensors
+    m, nx, scale = _terms(gx, gamma)
+    g = g.contiguous()
+    sums = gelu_grn_grad_sums(g, h).sum(2)
+    gxs, gs = sums[0], sums[1]  # per image and channel: sum of g * x, sum of g
+    dgamma = (gxs * nx).sum(0)
+    dnx = gxs * gamma.reshape(1, -1).float()
+    # nx = gx / m with m = mean_c(gx) + eps; then gx = ||x||, whose gradient is x / gx (0 where gx is 0, as
+    # torch.norm's backward has it)
+    dgx = dnx / m - (dnx * gx).sum(-1, keepdim=True) / (m * m * gx.shape[-1])
+    t = torch.where(gx > 0, dgx / gx.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    dh = gelu_grn_grad_apply(g, h, scale, t)
+    dbeta = None if ctx.beta_meta is None else gs.sum(0).reshape(ctx.beta_meta[0]).to(ctx.beta_meta[1])
+    return dh, dgamma.reshape(gamma.shape).to(gamma.dtype), dbeta, None, None
+
+
+gelu_grn_apply.register_autograd(_backward, setup_context=_setup_context)
