@@ -1,5 +1,9 @@
 """Shared helpers for the layer / model / re-parameterization tests (imported as `from conftest import ...`), and the
 data tests' fixture for decode=gpu without CUDA."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -30,6 +34,90 @@ def randomize_bn(module: nn.Module) -> nn.Module:
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative error in the L2 norm."""
     return ((actual - expected).norm() / expected.norm()).item()
+
+
+def written_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """rel_err in float64 of a kernel's output that was poisoned with NaN before the launch (the `poison` fixture):
+    fails on an element the kernel never wrote."""
+    assert not torch.isnan(actual).any(), "NaN: an element the kernels never wrote"
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """lkcnn's ops fill their outputs with NaN before each kernel launch (LKCNN_DEBUG_POISON=1)."""
+    monkeypatch.setenv("LKCNN_DEBUG_POISON", "1")
+
+
+_INTERPRETER_PRELUDE = """
+import torch
+def assert_close(checks, dtype, where):
+    # each result (name: (kernel's, float64 reference)): float32 ones within 1e-6, 16-bit ones within dtype's tolerance
+    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for name, (a, b) in checks.items():
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < (1e-6 if a.dtype in (torch.float32, torch.float64) else tol), (name, *where, err)
+"""
+
+
+def run_in_triton_interpreter(script: str) -> None:
+    """Run `script` under Triton's interpreter on the CPU, in its own process (TRITON_INTERPRET is read when the kernels
+    are defined), after a prelude defining `assert_close(checks, dtype, where)`; it must print "ok". Skips before
+    Triton 3.8, whose interpreter cannot take a runtime loop bound."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
+        pytest.skip("Triton's interpreter takes a runtime loop bound from 3.8 on (before, int() of a 1-element array)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _INTERPRETER_PRELUDE + script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def eager_and_compiled(model: nn.Module, x: torch.Tensor, cache_dir) -> tuple[list, list, dict]:
+    """([output, *parameter gradients] of a loss on `model(x)` eager, the same compiled with fullgraph from the same
+    state, AOT autograd's cache counters of the compile), with torch's caches on in `cache_dir`: whether the graph
+    can be stored, as a second run of the training app needs to skip its compile."""
+    from torch._dynamo.utils import counters
+
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run(fn):
+        model.load_state_dict(start)
+        model.zero_grad()
+        out = fn(x)
+        out.square().sum().backward()
+        return [out.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    eager = run(model)
+    torch._dynamo.reset()
+    counters.clear()
+    with (pytest.MonkeyPatch.context() as patch, torch._functorch.config.patch(enable_autograd_cache=True),
+          torch._inductor.config.patch(fx_graph_cache=True)):
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        compiled = run(torch.compile(model, fullgraph=True))
+    return eager, compiled, dict(counters["aot_autograd"])
+
+
+def autocast_runs(model: nn.Module, x: torch.Tensor, kernels_switch, extra=lambda: []) -> tuple[list, list, list]:
+    """[output, *parameter gradients, *extra()] of a loss on `model(x)` under bf16 autocast (CUDA), from the same
+    state each time: eager, compiled with fullgraph (a graph break fails), and eager with `kernels_switch(False)`
+    (lkcnn's torch-ops path; switched back on after)."""
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run(fn):
+        model.load_state_dict(start)
+        model.zero_grad()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = fn(x)
+        y.float().square().mean().backward()
+        return [y.float()] + [p.grad.clone() for p in model.parameters()] + extra()
+
+    eager = run(model)
+    compiled = run(torch.compile(model, fullgraph=True))
+    kernels_switch(False)
+    try:
+        return eager, compiled, run(model)
+    finally:
+        kernels_switch(True)
 
 
 @pytest.fixture

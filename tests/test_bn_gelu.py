@@ -5,14 +5,11 @@ registered passes, the dispatch and ConvFFN's use of it, and the four Triton ker
 float64."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
 import torch
 import torch.nn.functional as F
+from conftest import eager_and_compiled, run_in_triton_interpreter
 
 from lkcnn.layers import ConvFFN
 from lkcnn.ops import bn_gelu as B
@@ -152,50 +149,27 @@ _INTERPRETED = textwrap.dedent("""
         dx = torch.full_like(x, float("nan"))
         K.grad_apply(g, x, [a, b, mean, rstd, c0, c1], dx)
         checks["dx"] = (dx, a.double() * (dz - c0.double() - x_hat * c1.double()))
-        tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-        for name, (u, v) in checks.items():
-            err = ((u.double() - v).norm() / v.norm()).item()
-            assert err < (1e-6 if u.dtype in (torch.float32, torch.float64) else tol), (name, r, c, dtype, splits, err)
+        assert_close(checks, dtype, (r, c, dtype, splits))
     print("ok")
 """)
 
 
 def test_triton_kernels_in_the_interpreter_match_float64():
-    """The kernels themselves, run by Triton's interpreter on the CPU (its own process: TRITON_INTERPRET is read when
-    the kernels are defined), outputs NaN before each launch; the GPU runs them in tests/test_bn_gelu_gpu.py."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
-        pytest.skip("Triton's interpreter takes a runtime loop bound from 3.8 on (before, int() of a 1-element array)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    """The kernels themselves, run by Triton's interpreter on the CPU, outputs NaN before each launch; the GPU runs
+    them in tests/test_bn_gelu_gpu.py."""
+    run_in_triton_interpreter(_INTERPRETED)
 
 
 def test_compiled_kernel_path_is_one_graph_that_aot_autograds_cache_keeps(monkeypatch, tmp_path):
     """A ConvFFN on the kernel path (the passes' CPU implementations) compiles with fullgraph (a graph break fails)
-    into a graph that AOT autograd's cache stores, as the training app's second run needs to skip the compile (an
-    autograd.Function in the graph makes the cache bypass it), and computes what eager does."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    into a graph that AOT autograd's cache stores (an autograd.Function in it makes the cache bypass the graph, and
+    the training app's second run compile anew), and computes what eager does."""
     monkeypatch.setattr(B, "uses_kernels", lambda t: True)
     torch.manual_seed(torch.seed() % 2**31)
     ffn = ConvFFN(8, 32).to(memory_format=torch.channels_last)
-    start = {k: v.clone() for k, v in ffn.state_dict().items()}
     x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
-    eager = ffn(x)
-    eager.square().sum().backward()
-    grads = [p.grad.clone() for p in ffn.parameters()]
-    ffn.load_state_dict(start)
-    ffn.zero_grad()
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
-        out = torch.compile(ffn, fullgraph=True)(x)
-        out.square().sum().backward()
-    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
-    assert counters["aot_autograd"]["autograd_cache_saved"] == 1
-    assert _rel(out.detach(), eager.detach()) < 1e-5
-    scale = torch.cat([q.flatten() for q in grads]).norm()
-    for p, q in zip(ffn.parameters(), grads):  # preffn_bn.bias's is ~0: scaled by all
-        assert (p.grad - q).norm() < 1e-4 * max(q.norm(), 1e-3 * scale)
+    eager, compiled, aot = eager_and_compiled(ffn, x, tmp_path)
+    assert aot.get("autograd_cache_bypass", 0) == 0 and aot.get("autograd_cache_saved") == 1
+    scale = torch.cat([t.flatten() for t in eager[1:]]).norm()
+    for a, b in zip(compiled, eager):  # preffn_bn.bias's gradient is ~0: scaled by all
+        assert (a - b).norm() < 1e-4 * max(b.norm(), 1e-3 * scale)

@@ -10,24 +10,16 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import autocast_runs, written_rel_err
 
 from lkcnn.ops import bn_gelu as B
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("poison")]
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # (N, C, H, W): RepLKNet-31B's four FFN hidden layers (4x the stage's channels) at a small batch, and edges
 SHAPES = [(2, 512, 56, 56), (2, 1024, 28, 28), (4, 2048, 14, 14), (3, 4096, 7, 7), (2, 40, 5, 9), (1, 264, 33, 3)]
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setenv("LKCNN_DEBUG_POISON", "1")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN: an element the kernels never wrote"
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
@@ -53,9 +45,9 @@ def test_kernels_match_float64(shape, dtype):
     assert out.dtype == dtype and out.is_contiguous(memory_format=torch.channels_last)
     for name, a, b in [("out", out, ref)] + [(f"grad {i}", p.grad, q.grad)
                                               for i, (p, q) in enumerate(zip(leaves, ref_leaves))]:
-        assert _rel(a, b) < TOL[dtype], (name, seed)
+        assert written_rel_err(a, b) < TOL[dtype], (name, seed)
     for a, b in zip(running, running_ref):
-        assert _rel(a, b) < 1e-5, seed
+        assert written_rel_err(a, b) < 1e-5, seed
 
 
 def test_conv_ffn_compiled_in_one_graph_under_autocast_matches_eager():
@@ -65,24 +57,9 @@ def test_conv_ffn_compiled_in_one_graph_under_autocast_matches_eager():
 
     torch.manual_seed(random.randrange(2**31))
     model = ConvFFN(64, 256).cuda().to(memory_format=torch.channels_last)
-    start = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(4, 64, 14, 14, device="cuda").contiguous(memory_format=torch.channels_last)
-
-    def run(fn):
-        model.load_state_dict(start)
-        model.zero_grad()
-        with torch.autocast("cuda", torch.bfloat16):
-            y = fn(x)
-        y.float().square().mean().backward()
-        return [y.float()] + [p.grad.clone() for p in model.parameters()] + [model.pw1.bn.running_var.clone()]
-
-    eager = run(model)
-    compiled = run(torch.compile(model, fullgraph=True))
-    B.set_bn_gelu_kernels(False)
-    try:
-        modules = run(model)
-    finally:
-        B.set_bn_gelu_kernels(True)
+    eager, compiled, modules = autocast_runs(model, x, B.set_bn_gelu_kernels,
+                                             lambda: [model.pw1.bn.running_var.clone()])
     scale = max(t.norm() for t in modules)  # preffn_bn.bias's gradient is ~0 (pw1's BatchNorm removes a shift)
     for a, b, c in zip(compiled, eager, modules):
         for u, v in [(a, b), (b, c)]:

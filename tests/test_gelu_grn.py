@@ -4,14 +4,12 @@ autograd of the official composition in float64, opcheck of the registered passe
 kernels in Triton's interpreter against float64."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import eager_and_compiled, run_in_triton_interpreter
 
 from lkcnn.layers.unireplknet_blocks import GELUGRN
 from lkcnn.ops import grn as G
@@ -115,50 +113,28 @@ _INTERPRETED = textwrap.dedent("""
         dh = torch.full_like(h, float("nan"))
         K.grad_apply(g, h, scale, t, dh)
         checks["dh"] = (dh, dh_ref)
-        tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-        for name, (a, b) in checks.items():
-            err = ((a.double() - b).norm() / b.norm()).item()
-            assert err < (1e-6 if a.dtype == torch.float32 else tol), (name, n, r, c, dtype, splits, err)
+        assert_close(checks, dtype, (n, r, c, dtype, splits))
     print("ok")
 """)
 
 
 def test_triton_kernels_in_the_interpreter_match_float64():
-    """The kernels themselves, run by Triton's interpreter on the CPU (its own process: TRITON_INTERPRET is read when
-    the kernels are defined), outputs NaN before each launch; the GPU runs them in tests/test_gelu_grn_gpu.py."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
-        pytest.skip("Triton's interpreter takes a runtime loop bound from 3.8 on (before, int() of a 1-element array)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    """The kernels themselves, run by Triton's interpreter on the CPU, outputs NaN before each launch; the GPU runs
+    them in tests/test_gelu_grn_gpu.py."""
+    run_in_triton_interpreter(_INTERPRETED)
 
 
 def test_compiled_kernel_path_is_one_graph_that_aot_autograds_cache_keeps(monkeypatch, tmp_path):
     """Linear -> GELU + GRN -> Linear on the kernel path (the passes' CPU implementations) compiles with fullgraph
     into a graph that AOT autograd's cache stores (an autograd.Function in it makes the cache bypass the graph, and
     the training app's second run compile anew), and computes what eager does."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(G, "uses_kernels", lambda t: True)
     torch.manual_seed(torch.seed() % 2**31)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), GELUGRN(32), torch.nn.Linear(32, 8))
     with torch.no_grad():
         model[1][1].gamma.normal_()
         model[1][1].beta.normal_()
-    x = torch.randn(2, 5, 5, 8)
-    eager = model(x)
-    eager.square().sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True):
-        out = torch.compile(model, fullgraph=True)(x)
-        out.square().sum().backward()
-    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
-    assert counters["aot_autograd"]["autograd_cache_saved"] == 1
-    assert ((out - eager).norm() / eager.norm()).item() < 1e-5
-    for p, q in zip(model.parameters(), grads):
-        assert ((p.grad - q).norm() / q.norm()).item() < 1e-4
+    eager, compiled, aot = eager_and_compiled(model, torch.randn(2, 5, 5, 8), tmp_path)
+    assert aot.get("autograd_cache_bypass", 0) == 0 and aot.get("autograd_cache_saved") == 1
+    for a, b in zip(compiled, eager):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4

@@ -9,24 +9,16 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import autocast_runs, written_rel_err
 
 from lkcnn.ops import grn as G
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("poison")]
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # (N, H, W, C): UniRepLKNet-B's four stages (4C wide) at a small batch, and edges
 SHAPES = [(2, 56, 56, 512), (2, 28, 28, 1024), (4, 14, 14, 2048), (3, 7, 7, 4096), (2, 5, 9, 40), (1, 33, 3, 264)]
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setenv("LKCNN_DEBUG_POISON", "1")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN: an element the kernels never wrote"
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -49,7 +41,7 @@ def test_kernels_match_float64(shape, dtype, bias):
     assert out.dtype == dtype
     for name, a, b in [("out", out, ref)] + [(f"grad {i}", x.grad, y.grad)
                                               for i, (x, y) in enumerate(zip(leaves, ref_leaves))]:
-        assert _rel(a, b) < TOL[dtype], (name, seed)
+        assert written_rel_err(a, b) < TOL[dtype], (name, seed)
 
 
 def test_compiled_in_one_graph_under_autocast_matches_eager():
@@ -62,21 +54,6 @@ def test_compiled_in_one_graph_under_autocast_matches_eager():
     with torch.no_grad():
         model[1][1].gamma.normal_()
         model[1][1].beta.normal_()
-    x = torch.randn(4, 14, 14, 64, device="cuda")
-
-    def run(fn):
-        model.zero_grad()
-        with torch.autocast("cuda", torch.bfloat16):
-            y = fn(x)
-        y.float().square().mean().backward()
-        return [y.float()] + [p.grad.clone() for p in model.parameters()]
-
-    eager = run(model)
-    compiled = run(torch.compile(model, fullgraph=True))
-    G.set_grn_kernels(False)
-    try:
-        torch_ops = run(model)
-    finally:
-        G.set_grn_kernels(True)
+    eager, compiled, torch_ops = autocast_runs(model, torch.randn(4, 14, 14, 64, device="cuda"), G.set_grn_kernels)
     for a, b, c in zip(compiled, eager, torch_ops):
-        assert _rel(a, b.double()) < 2e-2 and _rel(b, c.double()) < 2e-2
+        assert written_rel_err(a, b.double()) < 2e-2 and written_rel_err(b, c.double()) < 2e-2
