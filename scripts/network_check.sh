@@ -5,13 +5,16 @@
 # brings its 3x3 twin: ~9 minutes with a cold build, so one --models network per run), each Triton kernel's rate in
 # the compiled step (`lkcnn.bench rates`: ~2-4 minutes a network), and an A/B of inductor settings on one whole network
 # (`E2E_AB`: lkcnn's settings, then with these, each its own process with its own cold inductor cache; images/s and
-# the first step's seconds, the compile's cost). Logs and records go to $OUT; the short tables print last.
+# the first step's seconds, the compile's cost), and the training app run twice on one inductor cache (`APP`, a model:
+# images/s and the first step's seconds cold and from the cache; needs hydra-core importable). Logs and records go to
+# $OUT; the short tables print last.
 # Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
 #   bash scripts/network_check.sh                # tests, then blocks (and longest kernels) of RepLKNet-31B, UniRepLKNet-B
 #   BLOCKS="--models replknet31b --inductor realize_reads_threshold=4" bash scripts/network_check.sh
 #   TESTS= BLOCKS= COMPARE="--models replknet31b" bash scripts/network_check.sh
 #   TESTS= BLOCKS= RATES="--models unireplknet_b" bash scripts/network_check.sh
 #   TESTS= BLOCKS= E2E_AB="triton.prefer_nd_tiling=True" [E2E_MODEL=replknet31b] bash scripts/network_check.sh
+#   BLOCKS= APP=replknet31b bash scripts/network_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
@@ -21,6 +24,7 @@ COMPARE=${COMPARE-}
 RATES=${RATES-}
 E2E_AB=${E2E_AB-}
 E2E_MODEL=${E2E_MODEL:-replknet31b}
+APP=${APP-}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.gpu/inductor}
@@ -31,7 +35,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 if ! $PY -m lkcnn.ops.build >"$OUT/build.log" 2>&1; then tail -20 "$OUT/build.log"; exit 1; fi
 echo "== build: $(tail -1 "$OUT/build.log" | cut -c1-100), $(since)"
 if [ -n "$TESTS" ]; then
-  $PY -m pytest -q tests/test_ops_gpu.py tests/test_ops_branches_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  $PY -m pytest -q tests/test_ops_gpu.py tests/test_ops_branches_gpu.py tests/test_bn_gelu_gpu.py \
+    tests/test_gelu_grn_gpu.py -p no:cacheprovider >"$OUT/tests.log" 2>&1
   echo "== gpu tests (rc=$?), $(since):"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/tests.log" | tail -15
 fi
 if [ -n "$BLOCKS" ]; then
@@ -58,5 +63,14 @@ if [ -n "$E2E_AB" ]; then
       --compile --channels-last --steps 30 --warmup 6 "${settings[@]}" --json "$OUT/e2e_ab_$side.json" \
       >"$OUT/e2e_ab_$side.log" 2>&1
     echo "== e2e $side (rc=$?), $(since):"; grep -E "images/s|img/s" "$OUT/e2e_ab_$side.log" | tail -2
+  done
+fi
+if [ -n "$APP" ]; then
+  rm -rf "$PWD/.gpu/inductor_app"
+  for run in cold warm; do
+    TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu/inductor_app $PY train.py model="$APP" data=synthetic data.num_workers=6 \
+      'callbacks=[default,throughput]' data.batch_size=64 trainer.limit_val_batches=0 trainer.precision=bf16-mixed \
+      trainer.max_steps=150 hydra.run.dir="$PWD/.gpu/app_$run" >"$OUT/app_$run.log" 2>&1
+    echo "== app $run (rc=$?), $(since):"; grep -E "first step|images/s" "$OUT/app_$run.log" | tail -3
   done
 fi
