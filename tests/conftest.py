@@ -72,21 +72,28 @@ def run_in_triton_interpreter(script: str) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def _loss_runs(model: nn.Module, x: torch.Tensor, extra=lambda: [], autocast: bool = False):
+    """run(fn): [output, *parameter gradients, *extra()] of a loss on fn(x), `model` reset to its state now first
+    (bf16 autocast on CUDA with `autocast`)."""
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run(fn):
+        model.load_state_dict(start)
+        model.zero_grad()
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            y = fn(x)
+        y.float().square().mean().backward()
+        return [y.detach().float()] + [p.grad.clone() for p in model.parameters()] + extra()
+    return run
+
+
 def eager_and_compiled(model: nn.Module, x: torch.Tensor, cache_dir) -> tuple[list, list, dict]:
     """([output, *parameter gradients] of a loss on `model(x)` eager, the same compiled with fullgraph from the same
     state, AOT autograd's cache counters of the compile), with torch's caches on in `cache_dir`: whether the graph
     can be stored, as a second run of the training app needs to skip its compile."""
     from torch._dynamo.utils import counters
 
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def run(fn):
-        model.load_state_dict(start)
-        model.zero_grad()
-        out = fn(x)
-        out.square().sum().backward()
-        return [out.detach()] + [p.grad.clone() for p in model.parameters()]
-
+    run = _loss_runs(model, x)
     eager = run(model)
     torch._dynamo.reset()
     counters.clear()
@@ -101,16 +108,7 @@ def autocast_runs(model: nn.Module, x: torch.Tensor, kernels_switch, extra=lambd
     """[output, *parameter gradients, *extra()] of a loss on `model(x)` under bf16 autocast (CUDA), from the same
     state each time: eager, compiled with fullgraph (a graph break fails), and eager with `kernels_switch(False)`
     (lkcnn's torch-ops path; switched back on after)."""
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def run(fn):
-        model.load_state_dict(start)
-        model.zero_grad()
-        with torch.autocast("cuda", torch.bfloat16):
-            y = fn(x)
-        y.float().square().mean().backward()
-        return [y.float()] + [p.grad.clone() for p in model.parameters()] + extra()
-
+    run = _loss_runs(model, x, extra, autocast=True)
     eager = run(model)
     compiled = run(torch.compile(model, fullgraph=True))
     kernels_switch(False)

@@ -19,7 +19,6 @@ The kernel path returns h's dtype (under autocast, the 16-bit activation the nex
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import torch
 import torch.nn.functional as F
@@ -148,9 +147,7 @@ def gelu_grn_grad_apply(g: Tensor, h: Tensor, scale: Tensor, t: Tensor) -> Tenso
     """(g * scale[n, c] + GELU(h) * t[n, c]) * GELU'(h) in h's dtype, GELU'(h) = Phi(h) + h * phi(h): the input
     gradient."""
     hf = h.float()
-    cdf = 0.5 * (1 + torch.erf(hf * 0.5**0.5))
-    pdf = torch.exp(-0.5 * hf * hf) * (2 * math.pi) ** -0.5
-    return ((g.float() * scale[:, None, :] + hf * cdf * t[:, None, :]) * (cdf + hf * pdf)).to(h.dtype)
+    return torch.ops.aten.gelu_backward(g.float() * scale[:, None, :] + F.gelu(hf) * t[:, None, :], hf).to(h.dtype)
 
 
 @gelu_grn_grad_apply.register_fake
