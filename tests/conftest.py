@@ -52,11 +52,12 @@ def poison(monkeypatch):
 _INTERPRETER_PRELUDE = """
 import torch
 def assert_close(checks, dtype, where):
-    # each result (name: (kernel's, float64 reference)): float32 ones within 1e-6, 16-bit ones within dtype's tolerance
-    tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    # each result (name: (kernel's, float64 reference)): float32 ones within 1e-5 (float32 sums of a few hundred
+    # values, the shifted sums' cancellation included: 1e-6 failed one draw in ~15), 16-bit ones within dtype's tolerance
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     for name, (a, b) in checks.items():
         err = ((a.double() - b).norm() / b.norm()).item()
-        assert err < (1e-6 if a.dtype in (torch.float32, torch.float64) else tol), (name, *where, err)
+        assert err < (1e-5 if a.dtype in (torch.float32, torch.float64) else tol), (name, *where, err)
 """
 
 

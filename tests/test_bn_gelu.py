@@ -127,7 +127,7 @@ _INTERPRETED = textwrap.dedent("""
         g = torch.randn(r, c).to(dtype)
         a, b, rstd, c0, c1 = torch.randn(c), torch.randn(c), torch.rand(c) + 0.1, torch.randn(c), torch.randn(c)
         mean = x.double().mean(0).float()
-        splits, rows = T.splits(1, r, c, x.device)
+        splits, rows = K.reduction_splits(r, c, x.device)
         xd = x.double()
         part = torch.full((3, splits, c), float("nan"))
         K.stats(x, part)

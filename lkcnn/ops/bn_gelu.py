@@ -69,8 +69,8 @@ def _splits(x: Tensor) -> int:
     """How many parts the kernels split x's rows into for the per-channel reductions (one off the GPU)."""
     if not x.is_cuda:
         return 1
-    from . import triton_tiles  # Triton is imported only where a GPU runs the kernels
-    return triton_tiles.splits(1, *x.shape, device=x.device)[0]
+    from . import bn_gelu_triton  # Triton is imported only where a GPU runs the kernels
+    return bn_gelu_triton.reduction_splits(*x.shape, device=x.device)[0]
 
 
 @torch.library.custom_op("lkcnn::bn_gelu_stats", mutates_args=())

@@ -18,6 +18,16 @@ import triton.language as tl
 BLOCK_R = 32
 BLOCK_C = 128
 WARPS = 8
+# BatchNorm's passes over all of a tensor's rows take their own launch shapes, from a sweep of tiles, warps, waves and
+# pipeline stages on an H200 at RepLKNet-31B's FFN shapes (docs/performance.md): the elementwise passes 16 x 128 tiles
+# in 2 warps (32 values a thread in flight where the tiles above have 16: the gradient apply 1.27x the rate), the
+# column reductions 32 x 64 tiles in 4 warps, their row loop software-pipelined (the next tiles' loads in flight while
+# one is summed: 1.1-1.5x).
+APPLY_BLOCK_R = 16
+APPLY_WARPS = 2
+REDUCE_BLOCK_C = 64
+REDUCE_WARPS = 4
+REDUCE_STAGES = 3
 
 
 @triton.jit
@@ -34,10 +44,10 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits(n: int, r: int, c: int, device: torch.device) -> tuple[int, int]:
-    """(splits of each group's rows, rows a split): enough programs for ~4 waves of one program an SM, each split a
-    whole number of row blocks."""
-    programs = n * triton.cdiv(c, BLOCK_C)
+def splits(n: int, r: int, c: int, device: torch.device, block_c: int = BLOCK_C) -> tuple[int, int]:
+    """(splits of each group's rows, rows a split): enough programs of `block_c` channels for ~4 waves of one program
+    an SM, each split a whole number of row blocks."""
+    programs = n * triton.cdiv(c, block_c)
     count = max(1, min(triton.cdiv(4 * sm_count(device), programs), triton.cdiv(r, BLOCK_R)))
     rows = triton.cdiv(triton.cdiv(r, count), BLOCK_R) * BLOCK_R
     return triton.cdiv(r, rows), rows
