@@ -20,7 +20,7 @@ BLOCK_C = 128
 WARPS = 8
 # BatchNorm's passes over all of a tensor's rows take their own launch shapes, from a sweep of tiles, warps, waves and
 # pipeline stages on an H200 at RepLKNet-31B's FFN shapes (docs/performance.md): the elementwise passes 16 x 128 tiles
-# in 2 warps (32 values a thread in flight where the tiles above have 16: the gradient apply 1.27x the rate), the
+# in 2 warps (32 values a thread in flight where the tiles above have 16: the gradient apply 1.22-1.29x the rate), the
 # column reductions 32 x 64 tiles in 4 warps, their row loop software-pipelined (the next tiles' loads in flight while
 # one is summed: 1.1-1.5x).
 APPLY_BLOCK_R = 16
