@@ -6,6 +6,7 @@ float64."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,29 @@ def test_triton_kernels_in_the_interpreter_match_float64():
     """The kernels themselves, run by Triton's interpreter on the CPU, outputs NaN before each launch; the GPU runs
     them in tests/test_bn_gelu_gpu.py."""
     run_in_triton_interpreter(_INTERPRETED)
+
+
+_SWEEP = textwrap.dedent("""
+    import sys
+    from lkcnn.ops import triton_tiles as T
+    T.sm_count = lambda device: 6
+    sys.path.insert(0, SCRIPTS)
+    import bn_gelu_launch_shapes as S
+    S.SHAPES = {"ffn a": (70, 40, 2), "ffn b": (33, 136, 1)}
+    configs = {"reduce": [(16, 64, 4, 4, 1), (32, 64, 4, 8, 3), (16, 128, 4, 16, 3)],
+               "apply": [(8, 64, 2), (16, 128, 2)]}
+    rows = S.sweep(list(S.SHAPES), lambda fn: (fn(), 1e-3)[1], with_peers=False, configs=configs)
+    assert len(rows) == 8 and all(ms is not None for row in rows for ms in row["ms"].values()), rows
+    assert len(S.report(rows)) == 8 + 4
+    print("ok")
+""")
+
+
+def test_launch_shape_sweep_matches_every_candidate_in_the_interpreter():
+    """scripts/bn_gelu_launch_shapes.py's sweep at small shapes in Triton's interpreter: each candidate launch shape
+    (tiles, warps, waves, pipelining) computes what the current one does, checked as the sweep checks it on a GPU."""
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    run_in_triton_interpreter(f"SCRIPTS = {scripts!r}\n" + _SWEEP)
 
 
 def test_compiled_kernel_path_is_one_graph_that_aot_autograds_cache_keeps(monkeypatch, tmp_path):

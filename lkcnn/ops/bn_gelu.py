@@ -53,15 +53,21 @@ def batch_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tenso
     n, c, h, w = x.shape
     rows = x.permute(0, 2, 3, 1).reshape(-1, c)  # a view: x is channels_last
     with torch.no_grad():  # the statistics' gradient is bn_gelu_apply's backward's
-        count, means, m2 = bn_gelu_stats(rows.detach())
-        mean = (count * means).sum(0) / rows.shape[0]  # the splits' moments merged (Chan et al.)
-        var = (m2 + count * (means - mean).square()).sum(0) / rows.shape[0]
+        mean, var = merge_moments(bn_gelu_stats(rows.detach()), rows.shape[0])
         rstd = torch.rsqrt(var + eps)
         running_mean.lerp_(mean.to(running_mean.dtype), momentum)
         running_var.lerp_((var * (rows.shape[0] / (rows.shape[0] - 1))).to(running_var.dtype), momentum)
         a = weight.detach().float() * rstd
         b = bias.detach().float() - mean * a
     return bn_gelu_apply(rows, weight, bias, mean, rstd, a, b).view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def merge_moments(part: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """(mean, biased variance) of each channel's n values from bn_gelu_stats's per-split count, mean and sum of
+    squared deviations (Chan et al.'s merge)."""
+    count, means, m2 = part
+    mean = (count * means).sum(0) / n
+    return mean, (m2 + count * (means - mean).square()).sum(0) / n
 
 
 # ------------------------------------------------------------------------------------------- the four passes

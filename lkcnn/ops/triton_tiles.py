@@ -44,10 +44,11 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits(n: int, r: int, c: int, device: torch.device, block_c: int = BLOCK_C) -> tuple[int, int]:
-    """(splits of each group's rows, rows a split): enough programs of `block_c` channels for ~4 waves of one program
-    an SM, each split a whole number of row blocks."""
+def splits(n: int, r: int, c: int, device: torch.device, block_c: int = BLOCK_C, block_r: int = BLOCK_R,
+           waves: int = 4) -> tuple[int, int]:
+    """(splits of each group's rows, rows a split): enough programs of `block_c` channels for ~`waves` waves of one
+    program an SM, each split a whole number of `block_r`-row blocks."""
     programs = n * triton.cdiv(c, block_c)
-    count = max(1, min(triton.cdiv(4 * sm_count(device), programs), triton.cdiv(r, BLOCK_R)))
-    rows = triton.cdiv(triton.cdiv(r, count), BLOCK_R) * BLOCK_R
+    count = max(1, min(triton.cdiv(waves * sm_count(device), programs), triton.cdiv(r, block_r)))
+    rows = triton.cdiv(triton.cdiv(r, count), block_r) * block_r
     return triton.cdiv(r, rows), rows
