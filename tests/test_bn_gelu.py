@@ -166,20 +166,22 @@ _SWEEP = textwrap.dedent("""
     from lkcnn.ops import triton_tiles as T
     T.sm_count = lambda device: 6
     sys.path.insert(0, SCRIPTS)
-    import bn_gelu_launch_shapes as S
-    S.SHAPES = {"ffn a": (70, 40, 2), "ffn b": (33, 136, 1)}
-    configs = {"reduce": [(16, 64, 4, 4, 1), (32, 64, 4, 8, 3), (16, 128, 4, 16, 3)],
-               "apply": [(8, 64, 2), (16, 128, 2)]}
-    rows = S.sweep(list(S.SHAPES), lambda fn: (fn(), 1e-3)[1], with_peers=False, configs=configs)
-    assert len(rows) == 8 and all(ms is not None for row in rows for ms in row["ms"].values()), rows
-    assert len(S.report(rows)) == 8 + 4
+    import triton_launch_shapes as S
+    S.SHAPES = {"bn ffn a": (1, 70, 40, 2), "bn ffn b": (1, 33, 136, 1), "grn a": (3, 21, 40, 2),
+                "grn b": (2, 9, 136, 1)}
+    configs = {"bn reduce": [(16, 64, 4, 4, 1), (32, 64, 4, 8, 3), (16, 128, 4, 16, 3)],
+               "grn reduce": [(8, 64, 2, 4), (16, 128, 4, 8)], "apply": [(8, 64, 2), (16, 128, 2)]}
+    rows = S.sweep(list(S.SHAPES), lambda fn: (fn(), 1e-3)[1], peers=False, configs=configs)
+    assert len(rows) == 16 and all(ms is not None for row in rows for ms in row["ms"].values()), rows
+    assert len(S.report(rows)) == 16 + 8
     print("ok")
 """)
 
 
 def test_launch_shape_sweep_matches_every_candidate_in_the_interpreter():
-    """scripts/bn_gelu_launch_shapes.py's sweep at small shapes in Triton's interpreter: each candidate launch shape
-    (tiles, warps, waves, pipelining) computes what the current one does, checked as the sweep checks it on a GPU."""
+    """scripts/triton_launch_shapes.py's sweep of the BatchNorm + GELU and GELU + GRN kernels at small shapes in
+    Triton's interpreter: each candidate launch shape (tiles, warps, waves, pipelining) computes what the current one
+    does, checked as the sweep checks it on a GPU (its outputs NaN-filled first)."""
     scripts = str(Path(__file__).resolve().parents[1] / "scripts")
     run_in_triton_interpreter(f"SCRIPTS = {scripts!r}\n" + _SWEEP)
 
