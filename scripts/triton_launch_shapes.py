@@ -80,7 +80,7 @@ def kernels(op: str, n: int, r: int, c: int, device: torch.device, peers: bool) 
         return (torch.randn if normal else torch.rand)(*shape, generator=gen, device=device)
     x, g = (0.5 * rand(n * r, c) + rand(c)).bfloat16(), rand(n * r, c).bfloat16()
     size = n * r * c * x.element_size()
-    reduce_now = (T.BLOCK_R, T.REDUCE_BLOCK_C, T.REDUCE_WARPS, 4, T.REDUCE_STAGES)
+    reduce_now = (T.REDUCE_BLOCK_R, T.REDUCE_BLOCK_C, T.REDUCE_WARPS, T.REDUCE_WAVES, T.REDUCE_STAGES)
     apply_now = (T.APPLY_BLOCK_R, T.BLOCK_C, T.APPLY_WARPS)
     if op == "bn":  # all rows as one image: the BatchNorm kernels' grids have no images axis
         a, b, mean, rstd = rand(c, normal=False) + 0.5, rand(c), rand(c), rand(c, normal=False) + 0.5
@@ -98,7 +98,7 @@ def kernels(op: str, n: int, r: int, c: int, device: torch.device, peers: bool) 
                 "gradient apply": dict(launch=_pointwise(K._bn_gelu_grad_apply_kernel, [g, x, *terms], {}, 1, n * r,
                                                          c), current=apply_now, kind="apply", bytes=3 * size)}
     scale, t, beta = rand(n, c, normal=False) + 0.5, 0.1 * rand(n, c), rand(c)
-    grn_now = (T.BLOCK_R, T.BLOCK_C, T.WARPS)
+    grn_now = (T.BLOCK_R, T.BLOCK_C, T.WARPS)  # grn_triton.py's launches: splits' default of 4 waves
     return {"sum of squares": dict(launch=_reduction(G._grn_sumsq_kernel, [x], [], n, r, c, (), lambda p: p.sum(1)),
                                    current=(*grn_now, 4), kind="grn reduce", bytes=size),
             "output": dict(launch=_pointwise(G._grn_apply_kernel, [x, scale, beta], {"HAS_BETA": True}, n, r, c),
@@ -115,12 +115,13 @@ def _peers(x: torch.Tensor, g: torch.Tensor, terms: list[torch.Tensor]) -> dict[
     import torch._inductor.config as inductor
 
     inductor.max_autotune_pointwise = True
-    stats = torch.compile(lambda t: torch.var_mean(t.float(), dim=0, correction=0))
+    # static shapes: the same code compiled for each shape would otherwise turn dynamic from the second on
+    stats = torch.compile(lambda t: torch.var_mean(t.float(), dim=0, correction=0), dynamic=False)
 
     def grad_sums_ops(g, x, a, b, mean, rstd):
         dz, x_hat = B._dz(g, x, a, b, mean, rstd)  # bn_gelu_grad_sums's torch implementation
         return dz.sum(0), (dz * x_hat).sum(0)
-    grad_sums = torch.compile(grad_sums_ops)
+    grad_sums = torch.compile(grad_sums_ops, dynamic=False)
     return {"statistics": lambda: stats(x), "gradient sums": lambda: grad_sums(g, x, *terms)}
 
 
@@ -157,14 +158,15 @@ def report(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         timed = {k: v for k, v in row["ms"].items() if v is not None}
-        best = min(timed, key=timed.get)
 
         def rate(ms, row=row):
             return f"{ms * 1e3:6.1f} us {row['bytes'] / ms / 1e9:5.2f} TB/s"
+        best = min(timed, key=timed.get) if timed else None
+        best = f"best {best} {rate(timed[best])}" if best else "no candidate matched"
         peer = f" | inductor {rate(row['ms_inductor'])}" if "ms_inductor" in row else ""
         failed = len(row["ms"]) - len(timed)
-        lines.append(f"{row['shape']:9s} {row['kernel']:14s} current {rate(row['ms_current'])} | best {best} "
-                     f"{rate(timed[best])}{peer}" + (f" | {failed} candidates differed" if failed else ""))
+        lines.append(f"{row['shape']:9s} {row['kernel']:14s} current {rate(row['ms_current'])} | {best}{peer}"
+                     + (f" | {failed} candidates differed" if failed else ""))
     for op in ("bn ffn", "grn"):
         for kernel in dict.fromkeys(row["kernel"] for row in rows if row["shape"].startswith(op)):
             group = [row for row in rows if row["shape"].startswith(op) and row["kernel"] == kernel]

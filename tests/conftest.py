@@ -52,12 +52,12 @@ def poison(monkeypatch):
 _INTERPRETER_PRELUDE = """
 import torch
 def assert_close(checks, dtype, where):
-    # each result (name: (kernel's, float64 reference)): float32 ones within 1e-5 (float32 sums of a few hundred
-    # values, the shifted sums' cancellation included: 1e-6 failed one draw in ~15), 16-bit ones within dtype's tolerance
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    # each result (name: (kernel's, float64 reference)): float32 ones within 1e-5 (float32 sums, the shifted sums'
+    # cancellation included: 1e-6 failed one draw in ~15), 16-bit ones within their dtype's tolerance
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
     for name, (a, b) in checks.items():
         err = ((a.double() - b).norm() / b.norm()).item()
-        assert err < (1e-5 if a.dtype in (torch.float32, torch.float64) else tol), (name, *where, err)
+        assert err < tol[torch.float32 if a.dtype in (torch.float32, torch.float64) else dtype], (name, *where, err)
 """
 
 
@@ -69,7 +69,8 @@ def run_in_triton_interpreter(script: str) -> None:
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
         pytest.skip("Triton's interpreter takes a runtime loop bound from 3.8 on (before, int() of a 1-element array)")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", _INTERPRETER_PRELUDE + script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _INTERPRETER_PRELUDE + script], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from lkcnn.ops.triton_math import gelu, normal_cdf_pdf
-from lkcnn.ops.triton_tiles import (APPLY_BLOCK_R, APPLY_WARPS, BLOCK_C, BLOCK_R, REDUCE_BLOCK_C, REDUCE_STAGES,
-                                    REDUCE_WARPS, load_tile, splits)
+from lkcnn.ops.triton_tiles import (APPLY_BLOCK_R, APPLY_WARPS, BLOCK_C, REDUCE_BLOCK_C, REDUCE_BLOCK_R,
+                                    REDUCE_STAGES, REDUCE_WARPS, REDUCE_WAVES, load_tile, splits)
 
 
 @triton.jit
@@ -117,14 +117,14 @@ def _bn_gelu_grad_apply_kernel(g_ptr, x_ptr, a_ptr, b_ptr, mean_ptr, rstd_ptr, c
 
 def reduction_splits(r: int, c: int, device: torch.device) -> tuple[int, int]:
     """(splits, rows a split) of the two reductions over an (r, c) tensor's rows."""
-    return splits(1, r, c, device, REDUCE_BLOCK_C)
+    return splits(1, r, c, device, REDUCE_BLOCK_C, REDUCE_BLOCK_R, REDUCE_WAVES)
 
 
 def stats(x: torch.Tensor, part: torch.Tensor) -> None:
     """part (3, splits, C) float32 = each split's count, mean and sum of squared deviations; x (R, C) contiguous."""
     r, c = x.shape
     _bn_stats_kernel[(triton.cdiv(c, REDUCE_BLOCK_C), part.shape[1])](
-        x, part, r, c, reduction_splits(r, c, x.device)[1], BLOCK_R=BLOCK_R, BLOCK_C=REDUCE_BLOCK_C,
+        x, part, r, c, reduction_splits(r, c, x.device)[1], BLOCK_R=REDUCE_BLOCK_R, BLOCK_C=REDUCE_BLOCK_C,
         STAGES=REDUCE_STAGES, num_warps=REDUCE_WARPS)
 
 
@@ -139,7 +139,8 @@ def grad_sums(g: torch.Tensor, x: torch.Tensor, terms: list[torch.Tensor], part:
     """part (2, splits, C) float32 = the partial sums of dz and of dz * x_hat; terms = [a, b, mean, rstd]."""
     r, c = x.shape
     _bn_gelu_grad_sums_kernel[(triton.cdiv(c, REDUCE_BLOCK_C), part.shape[1])](
-        g, x, *terms, part, r, c, reduction_splits(r, c, x.device)[1], BLOCK_R=BLOCK_R, BLOCK_C=REDUCE_BLOCK_C,
+        g, x, *terms, part, r, c, reduction_splits(r, c, x.device)[1], BLOCK_R=REDUCE_BLOCK_R,
+        BLOCK_C=REDUCE_BLOCK_C,
         STAGES=REDUCE_STAGES, num_warps=REDUCE_WARPS)
 
 

@@ -1,11 +1,12 @@
 """The tiling that lkcnn's Triton normalization kernels share (lkcnn/ops/grn_triton.py, lkcnn/ops/bn_gelu_triton.py).
 
 A tensor is read as groups of rows of channels, (N, R, C) contiguous: an NHWC activation, one group an image (GRN's
-per-image sums) or one group of all N*H*W rows (BatchNorm's per-channel sums). A program works on BLOCK_R x BLOCK_C
-tiles, channels innermost, so each row of a tile is one contiguous load and each per-channel term is loaded once a
-tile. A reduction over a group's rows is split over several programs when the groups and channel blocks alone give
-too few programs to fill the GPU; each split writes its partial result, which the caller merges (a handful of rows
-per channel: deterministic, unlike atomics).
+per-image sums) or one group of all N*H*W rows (BatchNorm's per-channel sums). A program works on tiles of rows by
+channels (BLOCK_R x BLOCK_C for GELU + GRN; BatchNorm's passes have their own below), channels innermost, so each row
+of a tile is one contiguous load and each per-channel term is loaded once a tile. A reduction over a group's rows is
+split over several programs when the groups and channel blocks alone give too few programs to fill the GPU; each
+split writes its partial result, which the caller merges (a handful of rows per channel: deterministic, unlike
+atomics).
 """
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ BLOCK_R = 32
 BLOCK_C = 128
 WARPS = 8
 # BatchNorm's passes over all of a tensor's rows take their own launch shapes, from a sweep of tiles, warps, waves and
-# pipeline stages on an H200 at RepLKNet-31B's FFN shapes (docs/performance.md): the elementwise passes 16 x 128 tiles
-# in 2 warps (32 values a thread in flight where the tiles above have 16: the gradient apply 1.22-1.29x the rate), the
-# column reductions 32 x 64 tiles in 4 warps, their row loop software-pipelined (the next tiles' loads in flight while
-# one is summed: 1.1-1.5x).
+# pipeline stages on an H200 at RepLKNet-31B's FFN shapes (scripts/triton_launch_shapes.py, docs/performance.md): the
+# elementwise passes 16 x 128 tiles in 2 warps (32 values a thread in flight where the tiles above have 16: the
+# gradient apply 1.22-1.29x the rate), the column reductions 32 x 64 tiles in 4 warps over ~4 waves of programs, their
+# row loop software-pipelined (the next tiles' loads in flight while one is summed: 1.1-1.5x); one shape for both
+# reductions and one for both elementwise passes, each within 2.1% of a pass's own best over the FFN's shapes.
 APPLY_BLOCK_R = 16
 APPLY_WARPS = 2
+REDUCE_BLOCK_R = 32
 REDUCE_BLOCK_C = 64
 REDUCE_WARPS = 4
+REDUCE_WAVES = 4
 REDUCE_STAGES = 3
 
 
