@@ -9,7 +9,7 @@ backward runs the other two, so the graph holds no autograd.Function (AOT autogr
 own kernels: inductor's for this pattern recompute GELU with libdevice's erf in the forward, the gradient sums and
 the gradient apply, and are bound by that arithmetic (1.4-2.2 TB/s on an H200, docs/performance.md, Open 5), and its
 one-dimensional pointwise kernels load the per-channel terms at every element; these take GELU from one reciprocal
-and one exponential (lkcnn/ops/triton_math.py) and load the terms once a tile: RepLKNet-31B +2.7% images/s
+and one exponential (lkcnn/ops/triton_math.py) and load the terms once a tile: RepLKNet-31B +0.6-2.7% images/s
 (docs/performance.md). Elsewhere (the CPU, other layouts, `set_conv_impl('torch')`,
 `set_bn_gelu_kernels(False)`, ONNX export) F.batch_norm and F.gelu run.
 
