@@ -6,8 +6,9 @@
 # the compiled step (`lkcnn.bench rates`: ~2-4 minutes a network), and an A/B of inductor settings on one whole network
 # (`E2E_AB`: lkcnn's settings, then with these, each its own process with its own cold inductor cache; images/s and
 # the first step's seconds, the compile's cost), and the training app run twice on one inductor cache (`APP`, a model:
-# images/s and the first step's seconds cold and from the cache; needs hydra-core importable). Logs and records go to
-# $OUT; the short tables print last.
+# images/s and the first step's seconds cold and from the cache; needs hydra-core importable), and the launch-shape
+# sweep of lkcnn's Triton normalization kernels (`SWEEP`, scripts/triton_launch_shapes.py's arguments: ~1-2 minutes a
+# set of shapes). Logs and records go to $OUT; the short tables print last.
 # Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
 #   bash scripts/network_check.sh                # tests, then blocks (and longest kernels) of RepLKNet-31B, UniRepLKNet-B
 #   BLOCKS="--models replknet31b --inductor realize_reads_threshold=4" bash scripts/network_check.sh
@@ -15,6 +16,7 @@
 #   TESTS= BLOCKS= RATES="--models unireplknet_b" bash scripts/network_check.sh
 #   TESTS= BLOCKS= E2E_AB="triton.prefer_nd_tiling=True" [E2E_MODEL=replknet31b] bash scripts/network_check.sh
 #   BLOCKS= APP=replknet31b bash scripts/network_check.sh
+#   TESTS= BLOCKS= SWEEP="--shapes grn" bash scripts/network_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
@@ -25,6 +27,7 @@ RATES=${RATES-}
 E2E_AB=${E2E_AB-}
 E2E_MODEL=${E2E_MODEL:-replknet31b}
 APP=${APP-}
+SWEEP=${SWEEP-}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.gpu/ext}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.gpu/inductor}
@@ -73,4 +76,9 @@ if [ -n "$APP" ]; then
       trainer.max_steps=150 hydra.run.dir="$PWD/.gpu/app_$run" >"$OUT/app_$run.log" 2>&1
     echo "== app $run (rc=$?), $(since):"; grep -E "first step|images/s" "$OUT/app_$run.log" | tail -3
   done
+fi
+if [ -n "$SWEEP" ]; then
+  # shellcheck disable=SC2086  # SWEEP holds several arguments
+  $PY scripts/triton_launch_shapes.py $SWEEP --json "$OUT/launch_shapes.json" >"$OUT/launch_shapes.log" 2>&1
+  echo "== launch shapes (rc=$?), $(since):"; grep -v -E "UserWarning|_warn_once" "$OUT/launch_shapes.log" | tail -40
 fi
