@@ -36,6 +36,21 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+def assert_switch_and_conv_policy_gate(ops_module, x: torch.Tensor, set_kernels) -> None:
+    """An op module's `uses_kernels(x)` on a tensor that claims to be on a GPU: true where Triton imports, false with
+    the op's kernels switched off (`set_kernels(False)`, switched back on after) or under the 'torch' conv policy."""
+    assert x.is_cuda  # the caller patches is_cuda: a meta tensor stands in for a GPU one
+    assert ops_module.uses_kernels(x) == ops_module.TRITON
+    set_kernels(False)
+    try:
+        assert not ops_module.uses_kernels(x)
+    finally:
+        set_kernels(True)
+    from lkcnn.ops import use_conv_impl
+    with use_conv_impl("torch"):
+        assert not ops_module.uses_kernels(x)
+
+
 def written_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """rel_err in float64 of a kernel's output that was poisoned with NaN before the launch (the `poison` fixture):
     fails on an element the kernel never wrote."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from conftest import eager_and_compiled, run_in_triton_interpreter
+from conftest import assert_switch_and_conv_policy_gate, eager_and_compiled, run_in_triton_interpreter
 
 from lkcnn.layers import ConvFFN
 from lkcnn.ops import bn_gelu as B
@@ -75,15 +75,7 @@ def test_registered_passes_pass_opcheck():
 def test_switch_and_conv_policy_gate_the_kernel_path(monkeypatch):
     x = torch.empty(2, 8, 3, 3, device="meta").contiguous(memory_format=torch.channels_last)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert B.uses_kernels(x) == B.TRITON
-    B.set_bn_gelu_kernels(False)
-    try:
-        assert not B.uses_kernels(x)
-    finally:
-        B.set_bn_gelu_kernels(True)
-    from lkcnn.ops import use_conv_impl
-    with use_conv_impl("torch"):
-        assert not B.uses_kernels(x)
+    assert_switch_and_conv_policy_gate(B, x, B.set_bn_gelu_kernels)
     assert not B.uses_kernels(x.contiguous())  # NCHW
     assert not B.uses_kernels(x.to(torch.float64))
     assert not B.uses_kernels(x[:1, :, :1, :1])  # one value a channel: no variance

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import eager_and_compiled, run_in_triton_interpreter
+from conftest import assert_switch_and_conv_policy_gate, eager_and_compiled, run_in_triton_interpreter
 
 from lkcnn.layers.unireplknet_blocks import GELUGRN
 from lkcnn.ops import grn as G
@@ -75,15 +75,7 @@ def test_module_keeps_the_official_keys_and_runs_torch_ops_on_the_cpu():
 def test_grn_kernels_switch_and_conv_policy_gate_the_kernel_path(monkeypatch):
     x = torch.empty(2, 3, 3, 8, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert G.uses_kernels(x) == G.TRITON
-    G.set_grn_kernels(False)
-    try:
-        assert not G.uses_kernels(x)
-    finally:
-        G.set_grn_kernels(True)
-    from lkcnn.ops import use_conv_impl
-    with use_conv_impl("torch"):
-        assert not G.uses_kernels(x)
+    assert_switch_and_conv_policy_gate(G, x, G.set_grn_kernels)
     assert not G.uses_kernels(x.permute(0, 3, 1, 2))  # not contiguous NHWC
     assert not G.uses_kernels(x.to(torch.float64))
 

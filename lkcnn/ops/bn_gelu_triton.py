@@ -140,8 +140,7 @@ def grad_sums(g: torch.Tensor, x: torch.Tensor, terms: list[torch.Tensor], part:
     r, c = x.shape
     _bn_gelu_grad_sums_kernel[(triton.cdiv(c, REDUCE_BLOCK_C), part.shape[1])](
         g, x, *terms, part, r, c, reduction_splits(r, c, x.device)[1], BLOCK_R=REDUCE_BLOCK_R,
-        BLOCK_C=REDUCE_BLOCK_C,
-        STAGES=REDUCE_STAGES, num_warps=REDUCE_WARPS)
+        BLOCK_C=REDUCE_BLOCK_C, STAGES=REDUCE_STAGES, num_warps=REDUCE_WARPS)
 
 
 def grad_apply(g: torch.Tensor, x: torch.Tensor, terms: list[torch.Tensor], dx: torch.Tensor) -> None:
