@@ -98,14 +98,15 @@ def kernels(op: str, n: int, r: int, c: int, device: torch.device, peers: bool) 
                 "gradient apply": dict(launch=_pointwise(K._bn_gelu_grad_apply_kernel, [g, x, *terms], {}, 1, n * r,
                                                          c), current=apply_now, kind="apply", bytes=3 * size)}
     scale, t, beta = rand(n, c, normal=False) + 0.5, 0.1 * rand(n, c), rand(c)
-    grn_now = (T.BLOCK_R, T.BLOCK_C, T.WARPS)  # grn_triton.py's launches: splits' default of 4 waves
+    grn_now = (T.BLOCK_R, T.BLOCK_C, T.WARPS)
+    reduce_now = (T.GRN_REDUCE_BLOCK_R, T.GRN_REDUCE_BLOCK_C, T.GRN_REDUCE_WARPS, T.GRN_REDUCE_WAVES)
     return {"sum of squares": dict(launch=_reduction(G._grn_sumsq_kernel, [x], [], n, r, c, (), lambda p: p.sum(1)),
-                                   current=(*grn_now, 4), kind="grn reduce", bytes=size),
+                                   current=reduce_now, kind="grn reduce", bytes=size),
             "output": dict(launch=_pointwise(G._grn_apply_kernel, [x, scale, beta], {"HAS_BETA": True}, n, r, c),
                            current=grn_now, kind="apply", bytes=2 * size),
             "gradient sums": dict(launch=_reduction(G._grn_grad_sums_kernel, [g, x], [n], n, r, c, (2,),
                                                     lambda p: p.sum(2)),
-                                  current=(*grn_now, 4), kind="grn reduce", bytes=2 * size),
+                                  current=reduce_now, kind="grn reduce", bytes=2 * size),
             "gradient apply": dict(launch=_pointwise(G._grn_grad_apply_kernel, [g, x, scale, t], {}, n, r, c),
                                    current=grn_now, kind="apply", bytes=3 * size)}
 

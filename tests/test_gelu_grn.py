@@ -90,7 +90,7 @@ _INTERPRETED = textwrap.dedent("""
                            (4, 7, 264, torch.bfloat16)]:
         h, g = torch.randn(n, r, c).to(dtype), torch.randn(n, r, c).to(dtype)
         scale, t, beta = torch.randn(n, c), torch.randn(n, c), torch.randn(c)
-        splits, rows = T.splits(n, r, c, h.device)
+        splits, rows = K.reduction_splits(n, r, c, h.device)
         x = F.gelu(h.double())
         part = torch.full((n, splits, c), float("nan"))
         K.sumsq(h, part)

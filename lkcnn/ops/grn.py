@@ -81,8 +81,8 @@ def _partial_sums(h: Tensor, *lead: int) -> Tensor:
     cut the rows on a GPU, one elsewhere."""
     splits = 1
     if h.is_cuda:
-        from . import triton_tiles  # Triton is imported only where a GPU runs the kernels
-        splits = triton_tiles.splits(*h.shape, device=h.device)[0]
+        from . import grn_triton  # Triton is imported only where a GPU runs the kernels
+        splits = grn_triton.reduction_splits(*h.shape, device=h.device)[0]
     return h.new_empty(*lead, h.shape[0], splits, h.shape[2], dtype=torch.float32)
 
 

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from lkcnn.ops.triton_math import gelu, normal_cdf_pdf
-from lkcnn.ops.triton_tiles import BLOCK_C, BLOCK_R, WARPS, load_tile, splits
+from lkcnn.ops.triton_tiles import (BLOCK_C, BLOCK_R, GRN_REDUCE_BLOCK_C, GRN_REDUCE_BLOCK_R, GRN_REDUCE_WARPS,
+                                    GRN_REDUCE_WAVES, WARPS, load_tile, splits)
 
 
 @triton.jit
@@ -84,11 +85,17 @@ def _grn_grad_apply_kernel(g_ptr, h_ptr, scale_ptr, t_ptr, dh_ptr, R, C, BLOCK_R
     tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
+def reduction_splits(n: int, r: int, c: int, device: torch.device) -> tuple[int, int]:
+    """(splits of each image's rows, rows a split) of the two reductions over an (n, r, c) tensor."""
+    return splits(n, r, c, device, GRN_REDUCE_BLOCK_C, GRN_REDUCE_BLOCK_R, GRN_REDUCE_WAVES)
+
+
 def sumsq(h: torch.Tensor, part: torch.Tensor) -> None:
     """part (N, splits, C) float32 = the partial sums of GELU(h)^2 over each image's rows; h (N, R, C) contiguous."""
     n, r, c = h.shape
-    _grn_sumsq_kernel[(triton.cdiv(c, BLOCK_C), part.shape[1], n)](
-        h, part, r, c, splits(n, r, c, h.device)[1], BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+    _grn_sumsq_kernel[(triton.cdiv(c, GRN_REDUCE_BLOCK_C), part.shape[1], n)](
+        h, part, r, c, reduction_splits(n, r, c, h.device)[1], BLOCK_R=GRN_REDUCE_BLOCK_R,
+        BLOCK_C=GRN_REDUCE_BLOCK_C, num_warps=GRN_REDUCE_WARPS)
 
 
 def apply(h: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -102,8 +109,9 @@ def apply(h: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor | None, out: 
 def grad_sums(g: torch.Tensor, h: torch.Tensor, part: torch.Tensor) -> None:
     """part (2, N, splits, C) float32 = the partial sums over each image's rows of g * GELU(h) and of g."""
     n, r, c = h.shape
-    _grn_grad_sums_kernel[(triton.cdiv(c, BLOCK_C), part.shape[2], n)](
-        g, h, part, n, r, c, splits(n, r, c, h.device)[1], BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS)
+    _grn_grad_sums_kernel[(triton.cdiv(c, GRN_REDUCE_BLOCK_C), part.shape[2], n)](
+        g, h, part, n, r, c, reduction_splits(n, r, c, h.device)[1], BLOCK_R=GRN_REDUCE_BLOCK_R,
+        BLOCK_C=GRN_REDUCE_BLOCK_C, num_warps=GRN_REDUCE_WARPS)
 
 
 def grad_apply(g: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, t: torch.Tensor, dh: torch.Tensor) -> None:
