@@ -12,6 +12,7 @@ The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydr
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -48,6 +49,9 @@ VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "auto_cudnn_benchmark": ("lkcnn 'auto', cudnn.benchmark", "auto:cudnn_benchmark", {}),
     "torch": ("PyTorch conv", "torch", {}),
     "cuda3": ("lkcnn kernels, 3x3, no small branch", "cuda", SMALL),
+    # the 3x3 twin as a user trains it: its 3x3 convs on cuDNN (under AUTO_MIN_KERNEL), its FFN's BatchNorm + GELU on
+    # lkcnn's kernels like the network it is compared with (--compare's twin)
+    "auto3": ("lkcnn 'auto', 3x3, no small branch", "auto", SMALL),
     "torch3": ("PyTorch conv, 3x3, no small branch", "torch", SMALL),
 }
 Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation[:flag...], model keywords)
@@ -128,11 +132,14 @@ def release() -> None:
 
 def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
                 cuda_graph: bool = False, profile_steps: int = 5, inductor: dict[str, Any] | None = None,
-                **model_kwargs) -> dict[str, Any]:
+                on_timed: Callable[[dict[str, float]], None] | None = None, **model_kwargs) -> dict[str, Any]:
     """One variant from one setup (a compiled one compiles once): its images/s (wall time of `steps` steps after
-    `warmup`) and its GPU time per step by cost category over `profile_steps` more steps under torch.profiler."""
+    `warmup`, handed to `on_timed` before the profile) and its GPU time per step by cost category over
+    `profile_steps` more steps under torch.profiler."""
     step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
     timed = time_steps(step, batch, steps, warmup)
+    if on_timed:
+        on_timed(timed)
     kernels = profile_kernels(step, profile_steps)
     del step, state
     release()
@@ -288,33 +295,35 @@ def measure(variants: dict[str, Job], repeat: int,
             samples[label].append(ips)
             first_steps[label].append(first_s)
             # printed as it finishes: kept if a later variant fails
-            _progress({"network": label, "images_per_s": ips, "first_step_s": first_s})
+            _progress(label, {"images_per_s": ips, "first_step_s": first_s})
     return samples, first_steps
 
 
 def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
     """`--compare`: one row each for `models` under the default dispatch, RepLKNet's 3x3 twin and `peer`, in that
     order, with images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category. The
-    peer is measured first, so each network's progress line carries its ratio, also in a run stopped partway."""
+    peer is measured first, so each network's progress line carries its ratio, also in a run stopped partway; a
+    line prints once a network is timed, before its profile."""
     peer_row = {"network": peer, "model": peer, "variant": "timm",
-                **step_report(peer, "torch", channels_last=True, **common),
+                **step_report(peer, "torch", channels_last=True, on_timed=functools.partial(_progress, peer),
+                              **common),
                 "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])}
-    _progress(peer_row)
     rows = []
     for model in models:
-        for key in ("auto", "torch3"):
-            if key == "torch3" and not model.startswith("replknet"):
+        for key in ("auto", "auto3"):
+            if key == "auto3" and not model.startswith("replknet"):
                 continue
             _, impl, kwargs = VARIANTS[key]
             net = timm.create_model(model, **kwargs)
-            rows.append({"network": model if key == "auto" else f"{model} 3x3", "model": model, "variant": key,
-                         **step_report(model, impl, channels_last=True, **common, **kwargs),
+            label = model if key == "auto" else f"{model} 3x3"
+            timed = functools.partial(_progress, label, peer=peer_row)
+            rows.append({"network": label, "model": model, "variant": key,
+                         **step_report(model, impl, channels_last=True, on_timed=timed, **common, **kwargs),
                          "norm_floor_gb": norm_floor_gb(net, common["batch"]),
                          "network_inductor_settings": network_settings(net)})
-            _progress(rows[-1], peer_row)
     rows.append(peer_row)
     peer_ips = peer_row["images_per_s"]
-    twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "torch3"}
+    twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "auto3"}
     for row in rows:
         row[f"ratio_to_{peer}"] = row["images_per_s"] / peer_ips
         if row["variant"] == "auto" and row["model"] in twins:
@@ -322,10 +331,10 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
     return rows
 
 
-def _progress(row: dict[str, Any], peer: dict[str, Any] | None = None) -> None:
-    ratio = f" ({row['images_per_s'] / peer['images_per_s']:.2f}x {peer['network']})" if peer else ""
-    print(f"lkcnn-bench e2e: {row['network']}: {row['images_per_s']:.1f} images/s{ratio}, "
-          f"first step {row['first_step_s']:.1f} s", file=sys.stderr, flush=True)
+def _progress(network: str, timed: dict[str, float], peer: dict[str, Any] | None = None) -> None:
+    ratio = f" ({timed['images_per_s'] / peer['images_per_s']:.2f}x {peer['network']})" if peer else ""
+    print(f"lkcnn-bench e2e: {network}: {timed['images_per_s']:.1f} images/s{ratio}, "
+          f"first step {timed['first_step_s']:.1f} s", file=sys.stderr, flush=True)
 
 
 def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
