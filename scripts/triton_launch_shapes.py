@@ -80,9 +80,9 @@ def kernels(op: str, n: int, r: int, c: int, device: torch.device, peers: bool) 
         return (torch.randn if normal else torch.rand)(*shape, generator=gen, device=device)
     x, g = (0.5 * rand(n * r, c) + rand(c)).bfloat16(), rand(n * r, c).bfloat16()
     size = n * r * c * x.element_size()
-    reduce_now = (T.REDUCE_BLOCK_R, T.REDUCE_BLOCK_C, T.REDUCE_WARPS, T.REDUCE_WAVES, T.REDUCE_STAGES)
-    apply_now = (T.APPLY_BLOCK_R, T.BLOCK_C, T.APPLY_WARPS)
     if op == "bn":  # all rows as one image: the BatchNorm kernels' grids have no images axis
+        reduce_now = (T.REDUCE_BLOCK_R, T.REDUCE_BLOCK_C, T.REDUCE_WARPS, T.REDUCE_WAVES, T.REDUCE_STAGES)
+        apply_now = (T.APPLY_BLOCK_R, T.BLOCK_C, T.APPLY_WARPS)
         a, b, mean, rstd = rand(c, normal=False) + 0.5, rand(c), rand(c), rand(c, normal=False) + 0.5
         terms = [a, b, mean, rstd, 0.1 * rand(c), 0.1 * rand(c)]
         peer = _peers(x, g, terms[:4]) if peers else {}
@@ -98,17 +98,17 @@ def kernels(op: str, n: int, r: int, c: int, device: torch.device, peers: bool) 
                 "gradient apply": dict(launch=_pointwise(K._bn_gelu_grad_apply_kernel, [g, x, *terms], {}, 1, n * r,
                                                          c), current=apply_now, kind="apply", bytes=3 * size)}
     scale, t, beta = rand(n, c, normal=False) + 0.5, 0.1 * rand(n, c), rand(c)
-    grn_now = (T.BLOCK_R, T.BLOCK_C, T.WARPS)
+    apply_now = (T.BLOCK_R, T.BLOCK_C, T.WARPS)
     reduce_now = (T.GRN_REDUCE_BLOCK_R, T.GRN_REDUCE_BLOCK_C, T.GRN_REDUCE_WARPS, T.GRN_REDUCE_WAVES)
     return {"sum of squares": dict(launch=_reduction(G._grn_sumsq_kernel, [x], [], n, r, c, (), lambda p: p.sum(1)),
                                    current=reduce_now, kind="grn reduce", bytes=size),
             "output": dict(launch=_pointwise(G._grn_apply_kernel, [x, scale, beta], {"HAS_BETA": True}, n, r, c),
-                           current=grn_now, kind="apply", bytes=2 * size),
+                           current=apply_now, kind="apply", bytes=2 * size),
             "gradient sums": dict(launch=_reduction(G._grn_grad_sums_kernel, [g, x], [n], n, r, c, (2,),
                                                     lambda p: p.sum(2)),
                                   current=reduce_now, kind="grn reduce", bytes=2 * size),
             "gradient apply": dict(launch=_pointwise(G._grn_grad_apply_kernel, [g, x, scale, t], {}, n, r, c),
-                                   current=grn_now, kind="apply", bytes=3 * size)}
+                                   current=apply_now, kind="apply", bytes=3 * size)}
 
 
 def _peers(x: torch.Tensor, g: torch.Tensor, terms: list[torch.Tensor]) -> dict[str, Callable]:
