@@ -89,6 +89,11 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, cap
     err = capsys.readouterr().err
     line = "replknet31b: 1200.0 images/s (0.75x convnext_base), first step 90.0 s"
     assert line in err and err.index(line) < err.index("profiled replknet31b")
+    # each network's start and the end of its profile, with the seconds since the start: where a stopped run's time went
+    lines = [text.split("]: ", 1)[1] for text in err.splitlines() if text.startswith("lkcnn-bench e2e [")]
+    assert lines[:3] == ["convnext_base: building and compiling",
+                         "convnext_base: 1600.0 images/s, first step 90.0 s", "convnext_base: profiled"]
+    assert lines[3:6] == ["replknet31b: building and compiling", line, "replknet31b: profiled"]
     assert rows[0]["ratio_to_convnext_base"] == pytest.approx(0.75) and rows[0]["ratio_to_3x3"] == pytest.approx(0.8)
     assert "ratio_to_3x3" not in rows[1] and rows[2]["ratio_to_convnext_base"] == 1.0
     args = argparse.Namespace(compare="convnext_base", batch=64, compile="reduce-overhead", channels_last=True,
@@ -163,8 +168,8 @@ def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
     variants = {"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {}), "net: c": ("net", "cuda3", {})}
     with pytest.raises(RuntimeError, match="third variant"):
         e2e.measure(variants, 1, batch=2, steps=1, warmup=1)
-    assert capsys.readouterr().err.splitlines() == ["lkcnn-bench e2e: net: a: 1200.0 images/s, first step 95.0 s",
-                                                    "lkcnn-bench e2e: net: b: 300.0 images/s, first step 4.2 s"]
+    err = [line.split("]: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert err == ["net: a: 1200.0 images/s, first step 95.0 s", "net: b: 300.0 images/s, first step 4.2 s"]
     speeds = iter([(1200.0, 95.0), (300.0, 4.25)])
     samples, first_steps = e2e.measure({"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {})}, 1,
                                        batch=2, steps=1, warmup=1)

@@ -15,6 +15,7 @@ import argparse
 import functools
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -303,11 +304,14 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
     """`--compare`: one row each for `models` under the default dispatch, RepLKNet's 3x3 twin and `peer`, in that
     order, with images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category. The
     peer is measured first, so each network's progress line carries its ratio, also in a run stopped partway; a
-    line prints once a network is timed, before its profile."""
+    line prints once a network is timed, before its profile, and lines at each network's start and after its
+    profile, with the seconds since the run began: where a run that ran out of time spent it."""
+    _log(peer, "building and compiling")
     peer_row = {"network": peer, "model": peer, "variant": "timm",
                 **step_report(peer, "torch", channels_last=True, on_timed=functools.partial(_progress, peer),
                               **common),
                 "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])}
+    _log(peer, "profiled")
     rows = []
     for model in models:
         for key in ("auto", "auto3"):
@@ -317,10 +321,12 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
             net = timm.create_model(model, **kwargs)
             label = model if key == "auto" else f"{model} 3x3"
             timed = functools.partial(_progress, label, peer=peer_row)
+            _log(label, "building and compiling")
             rows.append({"network": label, "model": model, "variant": key,
                          **step_report(model, impl, channels_last=True, on_timed=timed, **common, **kwargs),
                          "norm_floor_gb": norm_floor_gb(net, common["batch"]),
                          "network_inductor_settings": network_settings(net)})
+            _log(label, "profiled")
     rows.append(peer_row)
     peer_ips = peer_row["images_per_s"]
     twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "auto3"}
@@ -331,10 +337,17 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
     return rows
 
 
+_STARTED = time.monotonic()
+
+
+def _log(network: str, text: str) -> None:
+    """A progress line on stderr, flushed (kept if the run is stopped), with the seconds since lkcnn.bench started."""
+    print(f"lkcnn-bench e2e [{time.monotonic() - _STARTED:.0f} s]: {network}: {text}", file=sys.stderr, flush=True)
+
+
 def _progress(network: str, timed: dict[str, float], peer: dict[str, Any] | None = None) -> None:
     ratio = f" ({timed['images_per_s'] / peer['images_per_s']:.2f}x {peer['network']})" if peer else ""
-    print(f"lkcnn-bench e2e: {network}: {timed['images_per_s']:.1f} images/s{ratio}, "
-          f"first step {timed['first_step_s']:.1f} s", file=sys.stderr, flush=True)
+    _log(network, f"{timed['images_per_s']:.1f} images/s{ratio}, first step {timed['first_step_s']:.1f} s")
 
 
 def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
