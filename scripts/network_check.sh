@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for whole-network training speed: build the CUDA extension, the GPU tests of the ops
-# the networks run, each stage's blocks (`lkcnn.bench blocks`), and optionally the compiled networks against timm's
+# One call on the GPU machine for whole-network training speed: build the CUDA extension, the GPU tests of the ops the
+# networks run, each stage's blocks (`lkcnn.bench blocks`), and optionally the compiled networks against timm's
 # ConvNeXt-B (`lkcnn.bench e2e --compare`: compile, timing and profile; RepLKNet-31B brings its 3x3 twin: ~7 minutes
 # with a cold build on an H200; UniRepLKNet-B's did not finish within 540 s after ConvNeXt-B, so one --models network
 # per run; each network's start, images/s (before its profile) and profile's end print with the seconds since the
-# start), each Triton kernel's rate in the compiled step (`lkcnn.bench rates`: ~2-4 minutes a network), and an A/B of inductor settings on one whole network
-# (`E2E_AB`: lkcnn's settings, then with these, each its own process with its own cold inductor cache; images/s and
-# the first step's seconds, the compile's cost), and the training app run twice on one inductor cache (`APP`, a model:
-# images/s and the first step's seconds cold and from the cache; needs hydra-core importable), and the launch-shape
-# sweep of lkcnn's Triton normalization kernels (`SWEEP`, scripts/triton_launch_shapes.py's arguments: ~1-2 minutes a
-# set of shapes). Logs and records go to $OUT; the short tables print last.
+# start), each Triton kernel's rate in the compiled step (`lkcnn.bench rates`: ~2-4 minutes a network), and an A/B of
+# inductor settings on one whole network (`E2E_AB`: lkcnn's settings, then with these, each its own process with its own
+# cold inductor cache; images/s and the first step's seconds, the compile's cost), and the training app run twice on one
+# inductor cache (`APP`, a model: images/s and the first step's seconds cold and from the cache; needs hydra-core
+# importable), and the launch-shape sweep of lkcnn's Triton normalization kernels (`SWEEP`,
+# scripts/triton_launch_shapes.py's arguments: ~1-2 minutes a set of shapes). Logs and records go to $OUT; the short
+# tables print last.
 # Usage, from the repo root on a GPU machine (each part runs when its variable is non-empty):
 #   bash scripts/network_check.sh                # tests, then blocks (and longest kernels) of RepLKNet-31B, UniRepLKNet-B
 #   BLOCKS="--models replknet31b --inductor realize_reads_threshold=4" bash scripts/network_check.sh
