@@ -28,8 +28,8 @@ from . import build, reference
 IMPLS = ("auto", "cuda", "torch")
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KERNEL = 63
-# Under 'auto', kernels smaller than this go to PyTorch (cuDNN beats lkcnn's kernels on them in fp16/bf16 on the
-# H100: docs/performance.md); 'cuda' still runs lkcnn's kernels for any size.
+# Under 'auto', kernels smaller than this go to PyTorch (cuDNN's channels_last kernels beat lkcnn's at 3x3, and at
+# 5x5 in fp32 and fp16: benchmarks/h200_kernels_*.json, docs/performance.md); 'cuda' still runs lkcnn's kernels.
 AUTO_MIN_KERNEL = 7
 ENV_VAR = "LKCNN_CONV_IMPL"
 _warned: set[str] = set()
