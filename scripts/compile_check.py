@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch.utils import cpp_extension
 
-from lkcnn.ops.sources import SOURCES, csrc_dir
+from lkcnn.ops.sources import CUDA_FLAGS, CXX_FLAGS, SOURCES, csrc_dir
 
 
 def _includes() -> list[str]:
@@ -28,12 +28,13 @@ def _includes() -> list[str]:
 
 
 def _command(src: Path, obj: Path, arch: str) -> list[str]:
-    common = ["-c", str(src), "-o", str(obj), "-std=c++20", "-O2", "-DTORCH_EXTENSION_NAME=lkcnn_check", *_includes()]
+    """The build's own flags (lkcnn.ops.sources), so the register and spill report is the built kernels'."""
+    common = ["-c", str(src), "-o", str(obj), "-std=c++20", "-DTORCH_EXTENSION_NAME=lkcnn_check", *_includes()]
     if src.suffix == ".cu":
         nvcc = shutil.which("nvcc") or str(Path(cpp_extension.CUDA_HOME or "/usr/local/cuda", "bin", "nvcc"))
-        return [nvcc, *common, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
-                "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC"]
-    return [shutil.which("c++") or "g++", *common, "-fPIC"]
+        return [nvcc, *common, *CUDA_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+                "-Xcompiler", "-fPIC"]
+    return [shutil.which("c++") or "g++", *common, *CXX_FLAGS, "-fPIC"]
 
 
 def compile_all(arch: str = "90", verbose: bool = True, directory: Path | None = None) -> list[Path]:

@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -342,7 +343,28 @@ def test_committed_kernel_record_is_current_schema():
         assert row["speedup_vs_torch"]["total"] > 1
 
 
-@pytest.mark.parametrize("command", ["e2e", "loader", "app", "deploy8"])
+def test_every_committed_record_follows_the_documented_schema():
+    """Each benchmarks/*.json has every key benchmarks/README.md's schema table gives, a kind that table lists, and
+    is listed in that README: what the docs cite can be read the documented way."""
+    readme = (bench.ROOT / "benchmarks" / "README.md").read_text()
+    kinds_line = next(line for line in readme.splitlines() if line.startswith("| `kind` |"))
+    kinds = set(re.findall(r"`(\w+)`", kinds_line.split("|")[2]))
+    records = sorted((bench.ROOT / "benchmarks").glob("*.json"))
+    assert records
+    for path in records:
+        data = json.loads(path.read_text())
+        assert data.keys() >= {"schema", "kind", "environment", "command", "method", "rows"}, path.name
+        assert data["schema"] == SCHEMA and data["kind"] in kinds, path.name
+        assert f"`{path.name}`" in readme, path.name
+
+
+def test_the_default_benchmarks_help_names_every_other_benchmark():
+    from lkcnn.bench.__main__ import COMMANDS
+    epilog = bench._parser().epilog
+    assert [c for c in COMMANDS if c != "kernels" and f" {c} (" not in epilog] == []
+
+
+@pytest.mark.parametrize("command", ["branches", "blocks", "e2e", "rates", "loader", "app", "deploy8", "codegen"])
 def test_subcommands_answer_help(command):
     proc = subprocess.run([sys.executable, "-m", "lkcnn.bench", command, "--help"], capture_output=True, text=True,
                           timeout=120, cwd=bench.ROOT)

@@ -122,7 +122,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lkcnn.bench branches", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lkcnn-bench branches", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names (default: all)")
     parser.add_argument("--dtypes", default="bf16", help="comma-separated: fp32, fp16, bf16 (default bf16)")
     parser.add_argument("--ways", default=",".join(WAYS),

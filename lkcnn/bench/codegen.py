@@ -271,7 +271,8 @@ def format_rows(rows: list[dict], top: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lkcnn.bench codegen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lkcnn-bench codegen", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="replknet31b", help="comma-separated timm names (after import lkcnn)")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE,...",
                         help="one more variant: torch._inductor.config settings over lkcnn's (repeatable)")

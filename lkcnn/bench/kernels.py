@@ -476,8 +476,11 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lkcnn-bench", description="Time lkcnn's depthwise-conv passes against PyTorch's best backend on a GPU.",
-        epilog="The other benchmarks: lkcnn-bench e2e (training steps of whole networks), loader (the input "
-               "pipeline), app (where the training app's step time goes); each takes --help.")
+        epilog="The other benchmarks: lkcnn-bench branches (the blocks' small and dilated branches), blocks (each "
+               "stage's block trained alone), e2e (training steps of whole networks; --compare with a timm peer), "
+               "rates (a compiled step's Triton kernels against the copy rate), loader (the input pipeline), app "
+               "(where the training app's step time goes), deploy8 (8-bit deployed inference), codegen (inductor's "
+               "code for a training step, without a GPU); each takes --help.")
     parser.add_argument("--shapes", type=_csv(str.strip),
                         help=f"comma list of {','.join(SHAPES)} or NxCxHxW shapes (default the set's five)")
     parser.add_argument("--ks", type=_csv(int),
