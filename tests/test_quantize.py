@@ -32,6 +32,7 @@ from lkcnn.deploy.quantize import (
     layer_snr,
     output_snr,
     quantize,
+    top1_agreement,
     weight_amax,
 )
 from lkcnn.deploy.quantized_export import _write_onnx, deployed_from_checkpoint, export_quantized, median_image_error
@@ -129,6 +130,18 @@ def test_quantize_refuses_a_training_form_model_and_quantizes_a_deployed_one():
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert rel_err(quantized(x), model(x)) < 0.1
+
+
+@pytest.mark.parametrize("name", ["unireplknet_a", "convnext_lk_tiny"])
+def test_models_without_buffers_quantize_and_are_compared(name):
+    """Deployed UniRepLKNet and ConvNeXt-LK hold no buffers (no BatchNorm left): the export's agreement check reads
+    the device from their parameters."""
+    model = reparameterize_model(randomize_bn(timm.create_model(name, num_classes=5)).eval())
+    assert not list(model.buffers())
+    batches = [torch.randn(4, 3, 32, 32)]
+    quantized = quantize(model, batches, "int8", "minmax")
+    agreement, images = top1_agreement(model, quantized, batches)
+    assert images == 4 and 0.0 <= agreement <= 1.0
 
 
 def test_the_stem_and_classifier_stay_float_by_default_and_keep_float_picks_others():

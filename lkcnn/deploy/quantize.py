@@ -431,7 +431,7 @@ def layer_sensitivity(reference: nn.Module, quantized: nn.Module, batches: Itera
 def top1_agreement(reference: nn.Module, candidate: nn.Module, batches: Iterable[Tensor]) -> tuple[float, int]:
     """(share of images on which both models predict the same class, number of images)."""
     same = total = 0
-    device = next(reference.parameters(), next(reference.buffers())).device
+    device = next(reference.parameters()).device
     for x in batches:
         x = x.to(device)
         same += int((reference(x).argmax(-1) == candidate(x).argmax(-1)).sum())
