@@ -130,7 +130,8 @@ def model_cost(config: Any) -> tuple[float | None, float | None]:
 def collect_job(job: Path) -> dict[str, Any]:
     """One table row for one job folder."""
     config = OmegaConf.load(job / ".hydra" / "config.yaml")
-    sizes = config.model.get("kernel_sizes")
+    sizes = config.model.get("kernel_sizes")  # one size for every stage (model.kernel_sizes=7,13,31) or one per stage
+    sizes = [sizes] if isinstance(sizes, int) else sizes
     path = job / "throughput.json"
     throughput = json.loads(path.read_text()) if path.is_file() else {}
     per_device = throughput.get("images_per_s_per_device")

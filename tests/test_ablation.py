@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import lkcnn.models  # noqa: F401  (registers lkcnn's models with timm)
-from lkcnn.ablation import COLUMNS, MIN_TIMED_STEPS, collect, ema_warmth, main, notes, plot
+from lkcnn.ablation import COLUMNS, MIN_TIMED_STEPS, collect, ema_warmth, kernel_order, main, notes, plot
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, STEPS, WARMUP = 4, 8, 1
@@ -198,6 +198,20 @@ def test_a_job_without_metrics_keeps_empty_cells(sweep, tmp_path):
     assert row["val_acc1"] is None and row["images_per_s"] is None and row["kernel_fwd_ms"] is None
     assert row["kernel_ms_n"] is None and row["kernel_ms_iqr"] is None and row["ema"] is None
     assert notes([row]) == []  # nothing measured: no notes about measurements
+
+
+def test_a_sweep_of_one_kernel_size_for_every_stage_is_collected(sweep, tmp_path):
+    """`python train.py -m model.kernel_sizes=7,13,31`: each job's kernel_sizes is one int."""
+    for size in (13, 7):
+        job = tmp_path / str(size)
+        (job / ".hydra").mkdir(parents=True)
+        config = OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml")
+        config.model.kernel_sizes = size
+        OmegaConf.save(config, job / ".hydra" / "config.yaml")
+        (job / ".hydra" / "overrides.yaml").write_text(f"- model.kernel_sizes={size}\n")
+    rows = collect(tmp_path)
+    assert sorted(row["kernel_sizes"] for row in rows) == ["13", "7"]
+    assert [row["kernel_sizes"] for row in sorted(rows, key=kernel_order)] == ["7", "13"]
 
 
 def test_bad_run_dirs_end_in_one_message(tmp_path, capsys):
