@@ -23,14 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from lkcnn import timing
+from lkcnn.errors import one_line
 
 
 class DataError(ValueError):
     """A data config that cannot give images; the message is one line that says what to change."""
-
-
-def _one_line(message: str) -> str:
-    return " ".join(line.strip() for line in str(message).strip().splitlines() if line.strip())
 
 
 def compose_data(overrides: Sequence[str]) -> Any:
@@ -51,7 +48,7 @@ def compose_data(overrides: Sequence[str]) -> Any:
     try:
         return compose_train(overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise DataError(f"{_one_line(e)} (data configs: {', '.join(data_configs())})") from None
+        raise DataError(f"{one_line(e)} (data configs: {', '.join(data_configs())})") from None
 
 
 def data_configs() -> list[str]:
@@ -74,7 +71,7 @@ def make_datamodule(overrides: Sequence[str]) -> Any:
         message = user_error_message(e)
         if message is None:
             raise
-        raise DataError(_one_line(message)) from None
+        raise DataError(one_line(message)) from None
     if getattr(datamodule, "decode", "cpu") != "cpu":
         raise DataError("evaluation and calibration decode images on the CPU: add data.decode=cpu.")
     return datamodule
@@ -91,7 +88,7 @@ def _batches(datamodule: Any, loader: Any) -> Iterator[tuple[Tensor, Tensor]]:
         message = user_error_message(e)
         if message is None:
             raise
-        raise DataError(_one_line(message)) from None
+        raise DataError(one_line(message)) from None
 
 
 def calibration_batches(overrides: Sequence[str], batches: int) -> list[Tensor]:
@@ -106,7 +103,7 @@ def calibration_batches(overrides: Sequence[str], batches: int) -> list[Tensor]:
     try:
         loader = datamodule.train_dataloader()
     except ValueError as e:  # ConfigError: fewer images than a batch
-        raise DataError(_one_line(e)) from None
+        raise DataError(one_line(e)) from None
     out = []
     for images, _ in _batches(datamodule, loader):
         out.append(images)
@@ -190,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def fail(message: str) -> None:
-        parser.exit(2, f"{parser.prog}: error: {_one_line(message)}\n")
+        parser.exit(2, f"{parser.prog}: error: {one_line(message)}\n")
 
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

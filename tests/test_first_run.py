@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+import lkcnn  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.training import ConfigError, resolve_ckpt_path
+from lkcnn.training.callbacks.run_summary import stage_kernels
 from lkcnn.training.configs import command_line_error
 from lkcnn.training.errors import exit_on_user_error
 
@@ -70,6 +73,16 @@ def test_summary_block_before_the_first_step(tmp_path, caplog):
     assert rows["compile"] == "off (auto: eager on cpu)"  # module.compile=auto compiles on a GPU only
     assert rows["threads"] == "1 CPU threads, 0 loader workers"
     assert rows["steps"] == "2" and rows["output"] == str(tmp_path / "run")
+
+
+@pytest.mark.parametrize("name,kernels", [("replknet31b", [31, 29, 27, 13]), ("convnext_lk_tiny", [31, 29, 27, 13]),
+                                          ("slak_tiny", [51, 49, 47, 13]), ("unireplknet_b", [3, 13, 13, 13])])
+def test_summary_names_each_stages_largest_kernel_in_every_family(name, kernels):
+    """The summary's kernels (and its too-large-for-the-map warning) for every family of the zoo, not RepLKNet's
+    alone: ConvNeXt-LK's plain and SLaK's decomposed kernels, UniRepLKNet's dilated blocks and 3x3 convs."""
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    assert stage_kernels(model) == kernels
 
 
 def test_resuming_into_a_new_folder_says_where_the_earlier_best_stays(tmp_path, caplog, recwarn):

@@ -1,7 +1,7 @@
 """`python -m lkcnn.bench [kernels|branches|blocks|e2e|rates|loader|app|deploy8|codegen] ...` (`lkcnn-bench`):
 one entry point for lkcnn's benchmarks.
 
-Without a subcommand it runs the kernel benchmark, so `python -m lkcnn.bench --quick` means what it always has.
+Without a subcommand it runs the kernel benchmark (`python -m lkcnn.bench --quick`).
 Only the chosen benchmark's module is imported.
 """
 from __future__ import annotations

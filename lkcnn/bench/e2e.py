@@ -435,7 +435,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", metavar="PEER", default=None,
                         help="the comparison table: each --models network as users run it (default dispatch), its "
                              "3x3 twin and the timm network PEER, images/s, ratios and GPU ms per step by category; "
-                             "compiled and channels_last unless --compile/--channels-last say otherwise")
+                             "always channels_last and compiled (in --compile's mode if given, else the training app's)")
     parser.add_argument("--inductor", default="", metavar="KEY=VALUE[,...]",
                         help="torch._inductor.config settings over lkcnn's for every compiled network of this run "
                              "(an A/B is two runs in one call; realize_reads_threshold=4,combo_kernels=False,"

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from lkcnn.errors import UserError, first_line
 from lkcnn.models import select_weights
 
 # Plain data holders that Hydra (an OmegaConf config in `hyper_parameters`) and the official RepLKNet trainer
@@ -34,7 +35,7 @@ TRUSTED_GLOBALS: list[Any] = [
 ]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint file lkcnn cannot use; the message names the file, the problem and what to do."""
 
 
@@ -73,7 +74,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
             f"({refused.group(1)}). If you trust the file, save only its weights, e.g. torch.save(torch.load(path, "
             "weights_only=False)['state_dict'], 'weights.pt'), and export that with --model NAME.") from None
     except Exception as e:  # noqa: BLE001  damaged bytes fail the unpickler in many ways (IndexError, KeyError, ...)
-        raise CheckpointError(f"checkpoint {path} could not be read ({_first_line(e)}); it is probably truncated or "
+        raise CheckpointError(f"checkpoint {path} could not be read ({first_line(e)}); it is probably truncated or "
                               "corrupt: copy or save it again.") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}, not a dict of weights; save "
@@ -131,8 +132,3 @@ def _spec(spec: Any, path: Path) -> dict[str, Any] | None:
                               "{'name': timm model name, 'kwargs': {...}}: fix it, or save only the state_dict and "
                               "pass --model NAME.")
     return {"name": spec["name"], "kwargs": dict(spec.get("kwargs", {}))}
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of an exception's message, for one-line error reports."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

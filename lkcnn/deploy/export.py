@@ -27,6 +27,7 @@ from torch import nn
 import lkcnn
 from lkcnn.deploy.checkpoint import Checkpoint, CheckpointError, load_weights, read_checkpoint
 from lkcnn.deploy.reparam import reparameterize_model
+from lkcnn.errors import UserError
 from lkcnn.models import LkcnnModel, ModelError, build_model, checkpoint_filter_fn, parse_model_args
 from lkcnn.ops import reference
 
@@ -40,7 +41,7 @@ ONNX_STANDARD_DOMAINS = ("", "ai.onnx")
 TIMM_DATA_ARGS = ("img_size", "mean", "std", "interpolation", "crop_pct")  # resolve_data_config's argument names
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """An export that cannot be done or did not verify; the message says why and what to do."""
 
 
@@ -237,9 +238,7 @@ def _data_config(model: nn.Module, ckpt: Checkpoint, input_size: tuple[int, int]
     data = (ckpt.hydra_config or {}).get("data")
     data = data if isinstance(data, dict) else {}
     settings = {**data, **(data.get("transform") if isinstance(data.get("transform"), dict) else {})}
-    args = {k: settings[k] for k in TIMM_DATA_ARGS if settings.get(k) is not None}
-    if not isinstance(args.get("img_size", 0), int):  # timm takes an int; (H, W) sizes go in as input_size
-        input_size = input_size or tuple(args.pop("img_size"))
+    args = {k: settings[k] for k in TIMM_DATA_ARGS if settings.get(k) is not None}  # img_size: an int (the app's)
     config = resolve_data_config(args, model=model)
     size = tuple(input_size) if input_size else config["input_size"][1:]
     config["input_size"] = (getattr(model, "in_chans", 3), *size)

@@ -90,8 +90,7 @@ class Gemm8(nn.Module):
     def write_next_input(self, bn: nn.BatchNorm2d, consumer: Gemm8) -> None:
         """Also write `consumer`'s 8-bit input from this float output: `bn` (eval mode, the BatchNorm before it)
         and its quantization in this GEMM's epilogue (Triton only: cuBLASLt writes one output)."""
-        scale = bn.weight.float() / torch.sqrt(bn.running_var.float() + bn.eps)
-        self.next_alpha, self.next_beta = scale, bn.bias.float() - bn.running_mean.float() * scale
+        self.next_alpha, self.next_beta = fuse_bn(torch.ones_like(bn.running_mean, dtype=torch.float32), bn.float())
         self.next_scale = consumer.input_scale.clone()
 
     def quantize_output_for(self, consumer: QuantConv2d | Gemm8 | DWConv8) -> None:

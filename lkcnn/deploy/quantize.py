@@ -46,10 +46,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
+from lkcnn.errors import UserError
 from lkcnn.layers import LargeKernelConv
 from lkcnn.ops import dwconv2d
-from lkcnn.ops.qdq import (DTYPE_NAMES, dequantize_linear, dequantize_values, fake_quantize, quantize_linear,
-                           quantize_values)
+from lkcnn.ops.qdq import (DTYPE_NAMES, QRANGE, dequantize_linear, dequantize_values, fake_quantize,
+                           quantize_linear, quantize_values)
 
 OBSERVERS = ("minmax", "percentile", "mse")
 DEFAULT_PERCENTILE = 99.99
@@ -59,21 +60,25 @@ MSE_SUBSAMPLES = 4  # points per histogram bin in the error estimate (a bin span
 MIN_SCALE = torch.finfo(torch.float32).eps  # torch.ao's floor for a scale: an all-zero tensor still gets one
 
 
-class QuantizeError(ValueError):
+class QuantizeError(UserError, ValueError):
     """A model or setting that cannot be quantized; the message says what to do."""
 
 
 @dataclass(frozen=True)
 class Format:
-    """An 8-bit number format: its name on the command line, the quantized dtype, the magnitude amax maps to."""
+    """An 8-bit number format: its name on the command line and the quantized dtype (lkcnn.ops.qdq's name)."""
 
     name: str
-    dtype: str  # lkcnn.ops.qdq dtype name
-    qmax: float
+    dtype: str
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}[self.dtype]
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def qmax(self) -> float:
+        """The magnitude amax maps to: the largest value QuantizeLinear saturates to."""
+        return QRANGE[self.torch_dtype][1]
 
     def scale(self, amax: Tensor) -> Tensor:
         """Symmetric scale that maps `amax` to the format's largest magnitude."""
@@ -83,7 +88,7 @@ class Format:
         return fake_quantize(x, scale, self.dtype)
 
 
-FORMATS = {"int8": Format("int8", "int8", 127.0), "fp8": Format("fp8", "float8_e4m3fn", 448.0)}
+FORMATS = {"int8": Format("int8", "int8"), "fp8": Format("fp8", "float8_e4m3fn")}
 
 
 def get_format(precision: str) -> Format:

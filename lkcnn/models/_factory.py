@@ -14,7 +14,7 @@ import torch.nn as nn
 import yaml
 from timm.models import build_model_with_cfg, model_entrypoint
 
-from lkcnn.errors import UserError
+from lkcnn.errors import UserError, first_line
 from lkcnn.layers import REPARAM_LAYERS
 
 from ._checkpoint import checkpoint_filter_fn
@@ -77,8 +77,7 @@ def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.M
     try:
         model = timm.create_model(name, **kwargs)
     except (TypeError, ValueError) as err:  # an unknown keyword or a value the architecture rejects
-        message = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ModelError(f"model {name!r} does not accept {kwargs}: {message}") from err
+        raise ModelError(f"model {name!r} does not accept {kwargs}: {first_line(err)}") from err
     if not hasattr(model, "lkcnn_spec"):
         model.lkcnn_spec = {"name": name, "kwargs": _jsonable(kwargs)}
     return model

@@ -28,13 +28,14 @@ from ._factory import LkcnnModel, create_lkcnn_model
 
 __all__ = ["UniRepLKNet", "UniRepLKNetBlock"]
 
-# the official per-block kernel sizes for each depth setting: 3x3 in stage 1, 13x13 in stages 2-4, and in the deep
-# third stages of T (13 alternating with 3) and S/B/L/XL (13 then two 3s)
+# the official depth settings, and the per-block kernel sizes of each: 3x3 in stage 1, 13x13 in stages 2-4, and in
+# the deep third stages of T (13 alternating with 3) and S/B/L/XL (13 then two 3s)
+_DEPTHS_AFP, _DEPTHS_N, _DEPTHS_T, _DEPTHS_SBLXL = (2, 2, 6, 2), (2, 2, 8, 2), (3, 3, 18, 3), (3, 3, 27, 3)
 _K_AFP = ((3, 3), (13, 13), (13,) * 6, (13, 13))
 _K_N = ((3, 3), (13, 13), (13,) * 8, (13, 13))
 _K_T = ((3,) * 3, (13,) * 3, (13, 3) * 9, (13,) * 3)
 _K_SBLXL = ((3,) * 3, (13,) * 3, (13, 3, 3) * 9, (13,) * 3)
-DEFAULT_KERNEL_SIZES = {(2, 2, 6, 2): _K_AFP, (2, 2, 8, 2): _K_N, (3, 3, 18, 3): _K_T, (3, 3, 27, 3): _K_SBLXL}
+DEFAULT_KERNEL_SIZES = {_DEPTHS_AFP: _K_AFP, _DEPTHS_N: _K_N, _DEPTHS_T: _K_T, _DEPTHS_SBLXL: _K_SBLXL}
 
 KernelSizes = int | Sequence[int | Sequence[int]] | None
 
@@ -369,9 +370,6 @@ def _create(variant: str, pretrained: bool, model_args: dict, kwargs: dict) -> n
     """create_lkcnn_model with this family's checkpoint_filter_fn (see its docstring) for pretrained weights (e.g.
     pretrained_cfg_overlay=dict(file=...))."""
     return create_lkcnn_model(UniRepLKNet, variant, pretrained, model_args, kwargs, filter_fn=checkpoint_filter_fn)
-
-
-_DEPTHS_AFP, _DEPTHS_N, _DEPTHS_T, _DEPTHS_SBLXL = (2, 2, 6, 2), (2, 2, 8, 2), (3, 3, 18, 3), (3, 3, 27, 3)
 
 
 @register_model

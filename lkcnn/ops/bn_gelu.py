@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dwconv import _new_like, _poisoned, conv_impl
+from .sync_batchnorm import update_running_stats
 
 TRITON = importlib.util.find_spec("triton") is not None  # imported only where a GPU runs the kernels
 _kernels_enabled = True
@@ -55,8 +56,7 @@ def batch_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tenso
     with torch.no_grad():  # the statistics' gradient is bn_gelu_apply's backward's
         mean, var = merge_moments(bn_gelu_stats(rows.detach()), rows.shape[0])
         rstd = torch.rsqrt(var + eps)
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        running_var.lerp_((var * (rows.shape[0] / (rows.shape[0] - 1))).to(running_var.dtype), momentum)
+        update_running_stats(running_mean, running_var, mean, var, rows.shape[0], momentum)
         a = weight.detach().float() * rstd
         b = bias.detach().float() - mean * a
     return bn_gelu_apply(rows, weight, bias, mean, rstd, a, b).view(n, h, w, c).permute(0, 3, 1, 2)

@@ -223,8 +223,9 @@ def tma_ok(*tensors) -> bool:
 def run(a, w, alpha, beta, residual, out, scale, m: int, n: int, k: int, act: int, grid_id: int, *, is_int: bool,
         dequant: bool, one_config: bool = False, next_input=None, planes: int = 0) -> None:
     """Launch over every output tile (arguments as checked by lkcnn.ops.gemm8): the TMA kernel where every operand
-    meets TMA's alignment (channel counts in multiples of 16), else the pointer kernel; autotuned, or with `config`
-    that tile configuration alone (the GPU tests: one compile per epilogue instead of one per config).
+    meets TMA's alignment (channel counts in multiples of 16), else the pointer kernel; autotuned, or with
+    `one_config` the last tile configuration of its list alone (the GPU tests: one compile per epilogue instead of
+    one per config).
     `next_input`: (affine scale, affine shift, 8-bit output, its scale, its grid id) of the next layer's input.
     `planes`: out is (m // planes, n, planes), each image's channel planes, stored through pointers."""
     rows = out.view(m, n)  # with planes, the output's memory as rows: a placeholder for the kernels' row store

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lkcnn.errors import one_line
+
 # conf/ ships with the source tree (a checkout or an editable install), beside the lkcnn package
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -50,7 +52,7 @@ def command_line_error(args: Sequence[str]) -> str | None:
         if twice:  # `+group=option` for a group the config already chooses from
             return f"{twice[1]} already has a config: choose another with {twice[1]}=... (no +)"
         if not key:
-            return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+            return one_line(err)
         parent, _, leaf = key.rpartition(".")
         rest = [a for a in args if a.lstrip("+~").split("=", 1)[0] != key]
         node = OmegaConf.select(compose_train(rest), parent) if parent else compose_train(rest)

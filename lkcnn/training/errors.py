@@ -29,11 +29,9 @@ def user_error_message(err: BaseException) -> str | None:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
-    from lkcnn.deploy.checkpoint import CheckpointError
-
     cause: BaseException | None = err
     while cause is not None:
-        if isinstance(cause, (UserError, CheckpointError)):
+        if isinstance(cause, UserError):
             return str(cause)
         if type(cause).__module__.startswith("wandb") and type(cause).__name__ == "UsageError":
             return (f"W&B: {cause} Or log offline, lkcnn's default: unset WANDB_MODE or pass "

@@ -20,8 +20,8 @@ def build_model(spec: Mapping[str, Any], conv_impl: str = "auto") -> nn.Module:
         set_conv_impl(conv_impl)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    # the config's choice replaces a LKCNN_CONV_IMPL the user exported: say so (a stale export once made a benchmark
-    # time PyTorch's convolution as lkcnn's)
+    # the config's choice replaces a LKCNN_CONV_IMPL the user exported: say so (a forgotten export would otherwise
+    # silently time or train a different implementation than the shell suggests)
     user = conv_impl_from_env()
     if user is not None and user != conv_impl:
         warnings.warn(f"LKCNN_CONV_IMPL={user} from the environment is replaced by the config's conv_impl={conv_impl}; "

@@ -22,15 +22,24 @@ def _count(n: float) -> str:
 
 
 def stage_kernels(model: torch.nn.Module) -> list[int]:
-    """The large kernel of each stage of an lkcnn model (the larger side of a rectangular one); [] for others."""
-    from lkcnn.layers import REPARAM_LAYERS, to_kernel_size
+    """The largest depthwise kernel of each stage of a network with `stages` (RepLKNet's, ConvNeXt-LK's and SLaK's
+    re-parameterizable or plain large kernels, UniRepLKNet's dilated blocks and 3x3 convs, timm's ConvNeXt's 7x7;
+    the larger side of a rectangular one); [] where a stage has none."""
+    from lkcnn.layers import REPARAM_LAYERS, LargeKernelConv, to_kernel_size
+    from lkcnn.layers.unireplknet_blocks import DilatedReparamBlock
+
+    def kernel(m: torch.nn.Module) -> int | None:
+        if isinstance(m, (*REPARAM_LAYERS, DilatedReparamBlock, LargeKernelConv)) or (
+                isinstance(m, torch.nn.Conv2d) and m.groups == m.in_channels > 1):
+            return max(to_kernel_size(m.kernel_size))
+        return None
 
     sizes = []
     for stage in getattr(model, "stages", []):
-        conv = next((m for m in stage.modules() if isinstance(m, REPARAM_LAYERS)), None)
-        if conv is None:
+        found = [k for m in stage.modules() if (k := kernel(m)) is not None]
+        if not found:
             return []
-        sizes.append(max(to_kernel_size(conv.kernel_size)))
+        sizes.append(max(found))
     return sizes
 
 
