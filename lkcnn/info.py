@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lkcnn.deploy.export import positive_int
+from lkcnn.export import positive_int
 from lkcnn.deploy.reparam import reparameterize_model
 from lkcnn.layers import BranchConvs, LargeKernelConv
 from lkcnn.models import build_model, list_models, parse_model_args

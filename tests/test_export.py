@@ -19,7 +19,8 @@ import lkcnn
 from conftest import randomize_bn, rel_err
 from lkcnn.deploy import export
 from lkcnn.deploy.checkpoint import CheckpointError
-from lkcnn.deploy.export import ExportError, export_checkpoint, load_deployed, main
+from lkcnn.deploy.export import ExportError, export_checkpoint, load_deployed
+from lkcnn.export import main
 from lkcnn.training.module import ClassificationModule
 
 SIZE = (32, 32)  # small inputs keep the CPU tests fast; the large kernels still overhang the maps

@@ -18,7 +18,7 @@ from torch.ao.quantization.observer import MinMaxObserver
 
 import lkcnn
 from conftest import randomize_bn, rel_err
-from lkcnn.deploy.export import main as export_main
+from lkcnn.export import main as export_main
 from lkcnn.deploy.quantize import (
     FORMATS,
     HISTOGRAM_BINS,

@@ -1,20 +1,18 @@
 """Deploy export: checkpoint -> re-parameterized model.safetensors + config.json (+ model.onnx), and load it back.
 
-`python -m lkcnn.export CHECKPOINT OUT_DIR` (console script `lkcnn-export`). The export is verified before anything
+Its command line is `python -m lkcnn.export CHECKPOINT OUT_DIR` (console script `lkcnn-export`). The export is verified before anything
 is written: the deployed net must match the original on a random batch, and the written files must load back
 (`load_deployed`) and give the same outputs. Files are written to a temporary folder beside OUT_DIR and moved in
 only when all checks pass, so a failed export leaves OUT_DIR as it was.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import lkcnn
 from lkcnn.deploy.checkpoint import Checkpoint, CheckpointError, load_weights, read_checkpoint
 from lkcnn.deploy.reparam import reparameterize_model
 from lkcnn.errors import UserError
-from lkcnn.models import LkcnnModel, ModelError, build_model, checkpoint_filter_fn, parse_model_args
+from lkcnn.models import LkcnnModel, ModelError, build_model, checkpoint_filter_fn
 from lkcnn.ops import reference
 
 WEIGHTS_FILE = "model.safetensors"
@@ -43,17 +41,6 @@ TIMM_DATA_ARGS = ("img_size", "mean", "std", "interpolation", "crop_pct")  # res
 
 class ExportError(UserError, ValueError):
     """An export that cannot be done or did not verify; the message says why and what to do."""
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a size in pixels: a positive int, else argparse's one-line usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number of pixels, got {text!r}")
-    return value
 
 
 def _build(name: str, kwargs: dict[str, Any]) -> nn.Module:
@@ -156,42 +143,6 @@ def load_deployed(out_dir: str | Path) -> nn.Module:
         raise ValueError(f"{weights_path} does not fit model '{name}' {kwargs} from {config_path}: "
                          f"missing {missing[:3]}, unexpected {unexpected[:3]}. Export the checkpoint again.")
     return model.eval()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: export a checkpoint as deployed weights."""
-    parser = argparse.ArgumentParser(
-        prog="lkcnn-export", description="Re-parameterize a checkpoint (Lightning, state_dict or official RepLKNet) "
-        "and write model.safetensors + config.json (+ model.onnx) after checking the deployed model is equivalent.")
-    parser.add_argument("checkpoint", type=Path, help="checkpoint file (.ckpt, .pt, .pth, .safetensors)")
-    parser.add_argument("out_dir", type=Path, help="output folder (must be empty or absent unless --force)")
-    parser.add_argument("--model", help="timm model name, needed when the file stores no model config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="model argument override, e.g. --set num_classes=10 (repeatable)")
-    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
-    parser.add_argument("--onnx", action="store_true", help=f"also write {ONNX_FILE} (needs the onnx package)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an earlier export in OUT_DIR (other files there are kept)")
-    parser.add_argument("--input-size", type=positive_int, nargs=2, metavar=("H", "W"),
-                        help="input size recorded and used for the checks (default: the training run's img_size, "
-                        "else the model's pretrained_cfg)")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
-                        help="largest relative error accepted between original and deployed outputs")
-    from lkcnn.deploy import quantized_export  # imported here: it imports this module
-    quantized_export.add_arguments(parser)  # --precision int8|fp8, --calibrate data=..., ...
-    args = parser.parse_args(argv)
-    if args.precision != "fp32" or args.calibrate:
-        return quantized_export.run(args, parser)
-    try:
-        config = export_checkpoint(args.checkpoint, args.out_dir, args.model, parse_model_args(args.overrides),
-                                   ema=args.ema, onnx=args.onnx, force=args.force,
-                                   input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol)
-    except (ValueError, OSError) as e:  # CheckpointError / ExportError, bad OUT_DIR, bad LKCNN_CONV_IMPL, ...
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    files = [CONFIG_FILE, WEIGHTS_FILE] + ([ONNX_FILE] if args.onnx else [])
-    print(f"exported {config['model']['name']} to {args.out_dir} ({', '.join(files)}); relative error "
-          f"{config['equivalence']['relative_error']:.2e}")
-    return 0
 
 
 def _check_out_dir(out_dir: Path, force: bool, checkpoint: Path) -> None:
@@ -316,6 +267,3 @@ def _move_into(tmp: Path, out_dir: Path) -> None:
     for name in written:
         os.replace(tmp / name, out_dir / name)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,6 @@ ONNX graph must give them in onnxruntime.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import shutil
@@ -275,75 +274,3 @@ def median_image_error(actual: Tensor, expected: Tensor) -> float:
     errors = (torch.linalg.vector_norm((actual - expected).double(), dim=dims)
               / torch.linalg.vector_norm(expected.double(), dim=dims).clamp_min(1e-12))
     return errors.median().item()
-
-
-# ----------------------------------------------------------------------------------------------------- command line
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The exporter's 8-bit options (python -m lkcnn.export ... --precision int8 --calibrate data=digits)."""
-    group = parser.add_argument_group("8-bit export (docs/export.md#8-bit-export)")
-    group.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                       help="fp32 (default): re-parameterized float weights; int8 / fp8 (e4m3): quantized weights "
-                       "per output channel and activations per tensor, calibrated with --calibrate")
-    group.add_argument("--calibrate", nargs="+", metavar="OVERRIDE", default=None,
-                       help="calibration data: train.py's Hydra data overrides, e.g. data=digits, or data=imagenet "
-                       "data.root=/data/imagenet (training images, validation transform)")
-    group.add_argument("--calib-batches", type=int, default=DEFAULT_CALIB_BATCHES, metavar="N",
-                       help=f"calibration batches of data.batch_size images (default {DEFAULT_CALIB_BATCHES})")
-    group.add_argument("--observer", choices=OBSERVERS, default=DEFAULT_OBSERVER,
-                       help=f"activation range: minmax, percentile or mse (default {DEFAULT_OBSERVER})")
-    group.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE,
-                       help=f"--observer percentile: the percentile of |x| kept (default {DEFAULT_PERCENTILE})")
-    group.add_argument("--keep-float", nargs="+", metavar="MODULE", default=None,
-                       help="modules whose conv and linear layers stay in float, e.g. stem head (default: the "
-                       "model's stem and classifier, where 8-bit rounding costs the most accuracy); none: quantize "
-                       "every layer")
-    group.add_argument("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, metavar="SHARE",
-                       help="refuse to write unless the 8-bit model's top-1 class matches the float model's on this "
-                       f"share of the calibration images (default {DEFAULT_MIN_AGREEMENT})")
-    group.add_argument("--opset", type=int, default=DEFAULT_OPSET,
-                       help=f"ONNX opset of an 8-bit --onnx export (default {DEFAULT_OPSET}; int8 needs 18+, "
-                       "fp8 19+)")
-
-
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`main` of lkcnn.export for --precision int8|fp8: load the calibration data, export, print one line."""
-    def fail(message: str) -> None:
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-    if args.precision == "fp32":
-        fail("--calibrate applies to 8-bit exports only: add --precision int8 or --precision fp8.")
-    if not args.calibrate:
-        fail(f"--precision {args.precision} needs calibration data: add --calibrate data=<config> (a config of "
-             "conf/data, e.g. --calibrate data=digits).")
-    if args.calib_batches < 1:
-        fail(f"--calib-batches {args.calib_batches} must be at least 1.")
-    keep_float = args.keep_float
-    if keep_float is not None and "none" in keep_float:
-        if len(keep_float) > 1:
-            fail("--keep-float none quantizes every layer; it takes no module names beside it.")
-        keep_float = []
-    from lkcnn.evaluate import DataError, calibration_batches  # the data side lives with the entry points
-    from lkcnn.models import parse_model_args
-
-    def batches() -> list[Tensor]:
-        try:
-            return calibration_batches(args.calibrate, args.calib_batches)
-        except DataError as e:
-            raise ExportError(f"--calibrate {' '.join(args.calibrate)}: {e}") from None
-
-    try:
-        overrides = parse_model_args(args.overrides)
-        config = export_quantized(
-            args.checkpoint, args.out_dir, args.precision, batches, " ".join(args.calibrate), args.observer,
-            args.percentile, args.min_agreement, args.onnx, args.opset, args.model, overrides, ema=args.ema,
-            force=args.force, input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol,
-            keep_float=keep_float)
-    except (ValueError, OSError) as e:  # ExportError, QuantizeError, CheckpointError, bad OUT_DIR, ...
-        fail(str(e))
-    quant = config["quantization"]
-    floats = len(quant["float_layers"])
-    files = [CONFIG_FILE, WEIGHTS_FILE] + ([ONNX_FILE] if args.onnx else [])
-    print(f"exported {config['model']['name']} in {args.precision} to {args.out_dir} ({', '.join(files)}); top-1 "
-          f"agreement with the float model {quant['top1_agreement']:.2%} on {quant['calibration']['images']} "
-          f"calibration images ({args.observer} observer, {floats} layer{'s' * (floats != 1)} in float)")
-    return 0
