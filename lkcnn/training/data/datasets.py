@@ -1,4 +1,5 @@
-"""Map-style datasets for the data sources, and the collate function that sets corrupt images aside.
+"""Map-style datasets for the data sources, the scan of a class-folder tree, and the collate function that sets corrupt
+images aside.
 
 A corrupt file must not crash a DataLoader worker: the dataset returns a `CorruptImage` marker instead of a sample,
 `collate_skipping_corrupt` drops markers from the batch and passes them on as a third element, and the
@@ -8,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset, default_collate
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+from ..errors import PathNotFoundError
 
 Transform = Callable[[Image.Image], torch.Tensor]
 
@@ -99,3 +104,13 @@ def collate_skipping_corrupt(samples: list[Any]) -> tuple[torch.Tensor | None, t
         return None, None, corrupt
     images, targets = default_collate(good)
     return images, targets, corrupt
+
+
+def scan_class_folders(folder: Path, layout: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """(classes, (path, class index) samples) of `folder`/<class>/<image> as torchvision's ImageFolder sees them; a
+    folder without class folders, or a class folder without images, is a PathNotFoundError ending in `layout`."""
+    try:
+        classes, class_to_idx = find_classes(str(folder))
+        return classes, make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS)
+    except FileNotFoundError as err:
+        raise PathNotFoundError(f"{err}{layout}") from err

@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .datamodule import ImageDataModule
-from .datasets import CorruptImage, Transform, load_rgb
+from .datasets import CorruptImage, Transform, load_rgb, scan_class_folders
 from ..errors import ConfigError, PathNotFoundError, UserError
 
 FORMAT = "lkcnn-shards"
@@ -61,14 +61,8 @@ class ShardsExistError(UserError, FileExistsError):
 # ---------------------------------------------------------------------------------------------------------- writing
 
 def scan_split(folder: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """(classes, (path, class index) samples) exactly as ImageFolderDataModule / torchvision's ImageFolder see them."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-
-    try:
-        classes, class_to_idx = find_classes(str(folder))
-        return classes, make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS)
-    except FileNotFoundError as err:  # no class folders, or a class folder without images
-        raise PathNotFoundError(f"{err}: expected {folder}/<class>/<image>, one folder per class") from err
+    """(classes, (path, class index) samples) as ImageFolderDataModule sees them (the same scan)."""
+    return scan_class_folders(folder, f": expected {folder}/<class>/<image>, one folder per class")
 
 
 def member_keys(samples: Sequence[tuple[str, int]], classes: Sequence[str]) -> list[str]:

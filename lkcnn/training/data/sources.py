@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 from .datamodule import ImageDataModule
-from .datasets import ArrayImages, ImageFiles, RandomImages, Transform
+from .datasets import ArrayImages, ImageFiles, RandomImages, Transform, scan_class_folders
 from ..errors import ConfigError, PathNotFoundError
 
 
@@ -78,11 +77,7 @@ class ImageFolderDataModule(ImageDataModule):
         return f"data.root={self.root} {missing}. Expected:\n{layout}\nPass data.root=/path/to/dataset."
 
     def _scan(self, folder: Path) -> tuple[list[str], list[tuple[str, int]]]:
-        try:
-            classes, class_to_idx = find_classes(str(folder))
-            return classes, make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS)
-        except FileNotFoundError as err:  # no class folders, or a class folder without images
-            raise PathNotFoundError(f"{err}. {self._layout_message(False)}") from err
+        return scan_class_folders(folder, f". {self._layout_message(False)}")
 
     def make_datasets(self, train_transform: Transform, eval_transform: Transform) -> tuple[Dataset, Dataset]:
         classes, samples = self._scan(self.train_dir)
