@@ -1,9 +1,9 @@
 """Deploy export: checkpoint -> re-parameterized model.safetensors + config.json (+ model.onnx), and load it back.
 
-Its command line is `python -m lkcnn.export CHECKPOINT OUT_DIR` (console script `lkcnn-export`). The export is verified before anything
-is written: the deployed net must match the original on a random batch, and the written files must load back
-(`load_deployed`) and give the same outputs. Files are written to a temporary folder beside OUT_DIR and moved in
-only when all checks pass, so a failed export leaves OUT_DIR as it was.
+Its command line is `python -m lkcnn.export CHECKPOINT OUT_DIR` (console script `lkcnn-export`). The export is
+verified before anything is written: the deployed net must match the original on a random batch, and the written
+files must load back (`load_deployed`) and give the same outputs. Files are written to a temporary folder beside
+OUT_DIR and moved in only when all checks pass, so a failed export leaves OUT_DIR as it was.
 """
 from __future__ import annotations
 
@@ -207,31 +207,40 @@ def _check_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what
     return error
 
 
-def _write_onnx(model: nn.Module, x: torch.Tensor, expected: torch.Tensor, path: Path, rtol: float) -> dict[str, Any]:
-    """Export ONNX with the large-kernel conv as a standard Conv node; compare with onnxruntime when installed."""
-    import onnx  # optional dependency (lkcnn[onnx]), checked by export_checkpoint
+def write_onnx_graph(model: nn.Module, x: torch.Tensor, path: Path, what: str = "ONNX",
+                     decompositions: dict | None = None, **export_kwargs) -> tuple[int, list, list[str]]:
+    """Write `model` to `path` as ONNX through torch.export, batch dynamic, lkcnn's large-kernel conv op as a standard
+    Conv node (plus `decompositions`; `export_kwargs` go to torch.onnx.export); returns the written graph's opset, its
+    nodes (functions' included) and its custom ops. A failed export is an ExportError (`what` names it)."""
+    import onnx  # optional dependency (lkcnn[onnx]), checked by the exporters
 
     # lkcnn's registered conv op has no ONNX translation: decompose it into its own PyTorch path (F.conv2d), which
     # exports as a standard Conv node.
-    decompositions = torch.export.default_decompositions()
-    decompositions[torch.ops.lkcnn.dwconv2d_fwd.default] = reference.forward
+    table = torch.export.default_decompositions()
+    table[torch.ops.lkcnn.dwconv2d_fwd.default] = reference.forward
+    table.update(decompositions or {})
     try:
         program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
-        torch.onnx.export(program.run_decompositions(decompositions), (x,), str(path), input_names=["input"],
+        torch.onnx.export(program.run_decompositions(table), (x,), str(path), input_names=["input"],
                           output_names=["logits"], verbose=False,
-                          external_data=_nbytes(model) > 2**31 - 2**27)  # protobuf's 2 GiB limit
+                          external_data=_nbytes(model) > 2**31 - 2**27, **export_kwargs)  # protobuf's 2 GiB limit
     except Exception as e:  # torch.export / onnxscript raise many types; report one line, keep the cause
-        raise ExportError(f"ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+        raise ExportError(f"{what} export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
                           "Nothing was written; export without --onnx and report the error.") from e
     graph = onnx.load(str(path), load_external_data=False)
     nodes = list(graph.graph.node) + [n for f in graph.functions for n in f.node]
     custom = sorted({f"{n.domain}::{n.op_type}" for n in nodes if n.domain not in ONNX_STANDARD_DOMAINS})
+    return max(o.version for o in graph.opset_import if o.domain in ONNX_STANDARD_DOMAINS), nodes, custom
+
+
+def _write_onnx(model: nn.Module, x: torch.Tensor, expected: torch.Tensor, path: Path, rtol: float) -> dict[str, Any]:
+    """Export ONNX with the large-kernel conv as a standard Conv node; compare with onnxruntime when installed."""
+    opset, nodes, custom = write_onnx_graph(model, x, path)
     if custom or not any(n.op_type == "Conv" for n in nodes):
         raise ExportError(f"the ONNX graph has custom ops {custom} or no Conv node; the large-kernel conv must export "
                           "as a standard Conv (has lkcnn's conv op changed?). "
                           "Nothing was written; export without --onnx.")
-    result: dict[str, Any] = {"file": ONNX_FILE, "opset": max(o.version for o in graph.opset_import if o.domain in
-                                                              ONNX_STANDARD_DOMAINS)}
+    result: dict[str, Any] = {"file": ONNX_FILE, "opset": opset}
     try:
         import onnxruntime
     except ImportError:  # optional: the graph check above still ran

@@ -193,34 +193,16 @@ def _write_onnx(model: nn.Module, x: Tensor, expected: Tensor, path: Path, opset
                 precision: str) -> dict[str, Any]:
     """ONNX with one QuantizeLinear/DequantizeLinear pair per layer input and a DequantizeLinear per 8-bit weight;
     compared with the fake-quant model in onnxruntime (required for FP8, whose ONNX is written only if it runs)."""
-    import onnx
-
-    from lkcnn.ops import reference
     from lkcnn.ops.qdq import onnx_translations
 
-    decompositions = torch.export.default_decompositions()
-    decompositions[torch.ops.lkcnn.dwconv2d_fwd.default] = reference.forward  # a standard Conv node
-    if precision == "fp8":
-        decompositions[torch.ops.aten.relu.default] = _relu_as_max
     x = x.cpu()
     model = model.cpu()
-    try:
-        program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
-        torch.onnx.export(program.run_decompositions(decompositions), (x,), str(path), input_names=["input"],
-                          output_names=["logits"], opset_version=opset, verbose=False,
-                          custom_translation_table=onnx_translations(opset),
-                          external_data=export._nbytes(model) > 2**31 - 2**27)
-    except Exception as e:  # torch.export / onnxscript raise many types; report one line, keep the cause
-        raise ExportError(f"{precision} ONNX export failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}). Nothing was written; export without "
-                          "--onnx and report the error.") from e
-    graph = onnx.load(str(path), load_external_data=False)
-    written = max(o.version for o in graph.opset_import if o.domain in export.ONNX_STANDARD_DOMAINS)
+    relu = {torch.ops.aten.relu.default: _relu_as_max} if precision == "fp8" else None
+    written, nodes, custom = export.write_onnx_graph(model, x, path, f"{precision} ONNX", relu, opset_version=opset,
+                                                     custom_translation_table=onnx_translations(opset))
     if written != opset:
         raise ExportError(f"torch.onnx wrote opset {written} instead of --opset {opset}; pass --opset {written}. "
                           "Nothing was written.")
-    nodes = list(graph.graph.node) + [n for f in graph.functions for n in f.node]
-    custom = sorted({f"{n.domain}::{n.op_type}" for n in nodes if n.domain not in export.ONNX_STANDARD_DOMAINS})
     layers = len(model.lkcnn_quantization["layers"])
     counts = {op: sum(n.op_type == op for n in nodes) for op in ("QuantizeLinear", "DequantizeLinear")}
     if custom or counts != {"QuantizeLinear": layers, "DequantizeLinear": 2 * layers}:
