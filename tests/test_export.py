@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,27 @@ def test_onnx_graph_uses_standard_conv_nodes(ckpt, tmp_path):
     assert rel_err(torch.from_numpy(got), outputs(model, x)) < 1e-4
     export_checkpoint(path, tmp_path / "out", force=True, input_size=SIZE)  # a re-export drops the stale ONNX
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_forced_export_that_fails_while_moving_in_leaves_the_earlier_one(ckpt, tmp_path, monkeypatch):
+    """--force replaces an earlier export all or none: a move that fails half way (a full disk, a read-only file)
+    puts the earlier files back, so the folder never mixes a new config.json with old weights."""
+    out = tmp_path / "out"
+    export_checkpoint(ckpt[0], out, input_size=SIZE)
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst) == out / "model.safetensors" and Path(src).parent.name != ".earlier":
+            raise PermissionError(1, "Operation not permitted")
+        replace(src, dst)
+    monkeypatch.setattr(export.os, "replace", failing_replace)
+    with pytest.raises(ExportError, match=r"could not write the export into .*Operation not permitted.*left as it was"):
+        export_checkpoint(ckpt[0], out, force=True, input_size=(40, 40))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert load_deployed(out)(torch.randn(1, 3, *SIZE)).shape[0] == 1
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left beside it
 
 
 def test_onnx_without_its_packages_is_refused_before_any_work(ckpt, tmp_path, monkeypatch):

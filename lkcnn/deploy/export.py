@@ -94,8 +94,7 @@ def export_checkpoint(
         "source": {"checkpoint": checkpoint.name, "kind": ckpt.kind, "ema": ema},
         "equivalence": {"relative_error": error, "tolerance": rtol},
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_FILE))
         config["weights"]["sha256"] = _sha256(tmp / WEIGHTS_FILE)
@@ -106,7 +105,7 @@ def export_checkpoint(
         (tmp / WEIGHTS_FILE).chmod((tmp / CONFIG_FILE).stat().st_mode)
         with torch.no_grad():
             _check_close(load_deployed(tmp)(x), deployed, rtol, f"the model re-loaded from {out_dir} differs")
-        _move_into(tmp, out_dir)
+        move_into(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return config
@@ -266,13 +265,38 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _move_into(tmp: Path, out_dir: Path) -> None:
-    """Move the verified files into `out_dir`; a stale model.onnx of an earlier export is removed, nothing else."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {p.name for p in tmp.iterdir()}
-    for stale in (ONNX_FILE, ONNX_FILE + ".data"):
-        if stale not in written and (out_dir / stale).exists():
-            (out_dir / stale).unlink()
-    for name in written:
-        os.replace(tmp / name, out_dir / name)
+def staging_dir(out_dir: Path) -> Path:
+    """A new hidden folder beside `out_dir` (same file system: the files move in by rename) for an export's files
+    until they are verified."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    except OSError as e:
+        raise ExportError(f"cannot write in {out_dir.parent} ({e.strerror or e}): choose an OUT_DIR in a writable "
+                          "folder.") from None
+
+
+def move_into(tmp: Path, out_dir: Path) -> None:
+    """Move the verified files from `tmp` into `out_dir`, all or none: the files of an earlier export there (a stale
+    model.onnx included) are set aside in `tmp` first and put back if any move fails. Other files are not touched."""
+    written = [p.name for p in tmp.iterdir()]
+    files = (CONFIG_FILE, WEIGHTS_FILE, ONNX_FILE, f"{ONNX_FILE}.data")
+    earlier = [name for name in files if (out_dir / name).exists()]
+    aside, moved = tmp / ".earlier", []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        aside.mkdir()
+        for name in earlier:
+            os.replace(out_dir / name, aside / name)
+        for name in written:
+            os.replace(tmp / name, out_dir / name)
+            moved.append(name)
+    except OSError as e:
+        for name in moved:
+            os.replace(out_dir / name, tmp / name)
+        for name in earlier:
+            if (aside / name).exists():
+                os.replace(aside / name, out_dir / name)
+        raise ExportError(f"could not write the export into {out_dir} ({e.strerror or e}); it is left as it was: "
+                          "make the folder writable or choose another OUT_DIR.") from None
 

@@ -145,8 +145,7 @@ def export_quantized(
     x = batches[0][:export.CHECK_BATCH].to(next(float_model.parameters()).device)
     with torch.no_grad():
         expected = quantized(x)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    tmp = export.staging_dir(out_dir)
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in quantized.state_dict().items()}
         safetensors.torch.save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -160,7 +159,7 @@ def export_quantized(
         with torch.no_grad():
             export._check_close(export.load_deployed(tmp).to(x.device)(x), expected, RELOAD_RTOL,
                                 f"the {precision} model re-loaded from {out_dir} differs")
-        export._move_into(tmp, out_dir)
+        export.move_into(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return config
