@@ -16,17 +16,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # imported here so that --help and --cfg answer without loading torch
     import lightning as L
     import torch
-    from hydra.utils import instantiate
-
     from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+    from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-    from lkcnn.training import SyncBatchNormPlugin, resolve_ckpt_path
+    from lkcnn.training import ConfigError, SyncBatchNormPlugin, resolve_ckpt_path
     from lkcnn.training.callbacks.run_summary import RunSummary
     from lkcnn.training.console import quiet_known_noise
-    from lkcnn.training.resume import resume_note
+    from lkcnn.training.resume import check_resume_config, claim_run_dir, resume_note
 
     quiet_known_noise()
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a ??? left unset fails here
+    for key, least in (("seed", 0), ("cpu_threads", 1)):
+        value = cfg[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ConfigError(f"{key}={value!r} must be a whole number of at least {least}"
+                              + (" (or null: one thread per core on the CPU)" if key == "cpu_threads" else ""))
     on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") != "cpu"
     threads = cfg.cpu_threads or (1 if on_gpu else None)  # null: one per core on the CPU, 1 beside a GPU
     if threads:
@@ -40,6 +45,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         callbacks = [c for c in callbacks if not str(getattr(c, "monitor", None) or "").startswith("val")]
     choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, cfg.paths.runs_dir, module.model)
+    for warning in check_resume_config(ckpt_path, resolved):  # a changed setting the checkpoint's state overrides
+        rank_zero_warn(warning)
+    if rank_zero_only.rank == 0:  # the run's other processes (DDP ranks) write into the folder rank 0 claimed
+        claim_run_dir(cfg.paths.output_dir, ckpt_path)  # another run's folder is refused: nothing of it is overwritten
     # always: what the run does, before its first step
     callbacks.append(RunSummary(choices, cfg.paths.output_dir, resume_note(ckpt_path, cfg.paths.output_dir)))
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
@@ -73,4 +82,14 @@ if __name__ == "__main__":
     mistake = command_line_error(sys.argv[1:])  # a misspelled key or option: one line, not Hydra's report
     if mistake:
         sys.exit(f"Error: {mistake}")
+    # hydra.run.dir=<another run's folder>: refused before Hydra writes its .hydra/ files there (train() checks again,
+    # for runs whose folder comes from elsewhere). Lightning starts a DDP run's other ranks with rank 0's folder.
+    from lightning.pytorch.utilities import rank_zero_only
+
+    given = dict(arg.split("=", 1) for arg in sys.argv[1:] if arg.startswith(("hydra.run.dir=", "ckpt_path=")))
+    if "hydra.run.dir" in given and given.get("ckpt_path") != "latest" and rank_zero_only.rank == 0:
+        from lkcnn.training.resume import other_run
+
+        if taken := other_run(given["hydra.run.dir"], given.get("ckpt_path")):
+            sys.exit(f"Error: {taken}")
     main()

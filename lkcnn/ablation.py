@@ -312,11 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         parser.error(str(err))
     out = Path(args.out or args.run_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = to_markdown(rows)
-    (out / "ablation.md").write_text(table)
-    write_csv(rows, out / "ablation.csv")
-    plot(rows, out / "ablation.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ablation.md").write_text(table)
+        write_csv(rows, out / "ablation.csv")
+        plot(rows, out / "ablation.png")
+    except OSError as err:  # --out is a file, or not writable
+        parser.error(f"cannot write the report into {out}: {err.strerror or err}; pass --out FOLDER")
     print(table, end="")
     print(f"wrote {out / 'ablation.md'}, {out / 'ablation.csv'}, {out / 'ablation.png'}")
     return 0

@@ -98,10 +98,17 @@ def diagnose(do_build: bool) -> tuple[list[str], list[str]]:
         lines.append(f"sources     {sources}")
     except FileNotFoundError as err:
         problems.append(str(err))
-    lines.append(f"impl        LKCNN_CONV_IMPL={dwconv.conv_impl_from_env() or 'auto'} (the default policy)")
+    chosen = dwconv.conv_impl_from_env()
+    lines.append(f"impl        LKCNN_CONV_IMPL={chosen or 'auto'} (the default policy)")
+    if chosen is not None and chosen not in dwconv.IMPLS:
+        problems.append(f"LKCNN_CONV_IMPL={chosen} is not one of {', '.join(dwconv.IMPLS)}: unset it (auto) or set "
+                        "one of those")
     if not torch.cuda.is_available():
         reason = "torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
         lines.append(f"GPU         none ({reason}): lkcnn runs PyTorch's convolution; its CUDA kernels need an NVIDIA GPU")
+        if chosen == "cuda":
+            problems.append("LKCNN_CONV_IMPL=cuda forces lkcnn's CUDA kernels, which need a GPU: every large-kernel "
+                            "convolution on this machine fails; unset it (auto) here")
         return lines, problems
 
     smi = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")

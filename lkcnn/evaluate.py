@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lkcnn import timing
-from lkcnn.errors import one_line
+from lkcnn.errors import UserError, one_line
 
 
 class DataError(ValueError):
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"--device {args.device}: this machine has no usable CUDA GPU; pass --device cpu.")
     if not args.source.exists():
         fail(f"{args.source} does not exist: pass an export folder or a checkpoint file.")
+    if args.limit_batches is not None and args.limit_batches < 1:
+        fail(f"--limit-batches {args.limit_batches} must be at least 1 (leave it out to evaluate every batch).")
     try:
         from lkcnn.models import parse_model_args
 
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         model, precision = on_device(model, precision, device)
         datamodule = make_datamodule(args.overrides)
         result = evaluate(model, datamodule, device, args.limit_batches)
-    except (ValueError, OSError) as e:  # DataError, ExportError, CheckpointError, a damaged export, ...
+    except (UserError, ValueError, OSError) as e:  # DataError, ExportError, ConvImplError, a damaged export, ...
         fail(str(e))
     speed = "n/a (the first batch only warms up)" if math.isnan(result["images_per_s"]) else \
         f"{result['images_per_s']:.1f}"

@@ -19,6 +19,7 @@ from lkcnn.deploy.quantized_export import (
     PRECISIONS,
     export_quantized,
 )
+from lkcnn.errors import UserError
 from lkcnn.evaluate import DataError, calibration_batches
 from lkcnn.models import parse_model_args
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         config = export_checkpoint(args.checkpoint, args.out_dir, args.model, parse_model_args(args.overrides),
                                    ema=args.ema, onnx=args.onnx, force=args.force,
                                    input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol)
-    except (ValueError, OSError) as e:  # CheckpointError / ExportError, bad OUT_DIR, bad LKCNN_CONV_IMPL, ...
+    except (UserError, ValueError, OSError) as e:  # CheckpointError, ExportError, ConvImplError, bad OUT_DIR, ...
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     files = [CONFIG_FILE, WEIGHTS_FILE] + ([ONNX_FILE] if args.onnx else [])
     print(f"exported {config['model']['name']} to {args.out_dir} ({', '.join(files)}); relative error "
@@ -126,7 +127,7 @@ def run_quantized(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             args.percentile, args.min_agreement, args.onnx, args.opset, args.model, overrides, ema=args.ema,
             force=args.force, input_size=tuple(args.input_size) if args.input_size else None, rtol=args.rtol,
             keep_float=keep_float)
-    except (ValueError, OSError) as e:  # ExportError, QuantizeError, CheckpointError, bad OUT_DIR, ...
+    except (UserError, ValueError, OSError) as e:  # ExportError, QuantizeError, ConvImplError, bad OUT_DIR, ...
         fail(str(e))
     quant = config["quantization"]
     floats = len(quant["float_layers"])

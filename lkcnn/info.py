@@ -15,7 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from lkcnn.export import positive_int
 from lkcnn.deploy.reparam import reparameterize_model
 from lkcnn.layers import BranchConvs, LargeKernelConv
-from lkcnn.models import build_model, list_models, parse_model_args
+from lkcnn.models import UnknownModelError, build_model, list_models, parse_model_args
+from lkcnn.training.configs import CONF_DIR
 
 
 def build(name: str, kwargs: dict[str, Any]) -> nn.Module:
@@ -71,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = info(args.model, args.img_size, parse_model_args(args.set))
     except ValueError as err:  # a name or setting the user typed (ModelError): one line, no usage block
+        if isinstance(err, UnknownModelError) and (CONF_DIR / "model" / f"{args.model}.yaml").is_file():
+            # a config name of train.py's model=..., which need not be a timm name
+            err = (f"{args.model} is a train.py model config (conf/model/{args.model}.yaml), not a timm model name: "
+                   f"`python train.py model={args.model} --cfg job` shows its model.name and settings for --set")
         print(f"lkcnn-info: error: {err}", file=sys.stderr)
         return 2
     print(f"model          {result['name']} {result['kwargs'] or ''}".rstrip())

@@ -219,3 +219,12 @@ def test_bad_run_dirs_end_in_one_message(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main([str(run_dir)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_out_path_that_is_a_file_ends_in_one_message(sweep, tmp_path, capsys):
+    report = tmp_path / "report.txt"
+    report.write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(sweep), "--out", str(report)])
+    assert exit_info.value.code == 2 and f"cannot write the report into {report}" in capsys.readouterr().err
+    assert report.read_text() == "mine"

@@ -24,7 +24,11 @@ def test_profiles_the_requested_steps_of_a_tiny_run():
     assert "Ordered by: internal time" in result.stdout and "ncalls" in result.stdout
     short = subprocess.run([sys.executable, "-m", "lkcnn.bench", "app", "--warmup", "4", "--batches", "4",
                             *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert short.returncode != 0 and "raise trainer.max_steps" in short.stderr
+    assert short.returncode != 0 and "trainer.max_steps=5 ends the run before the profile's last step" in short.stderr
+    assert "Traceback" not in short.stderr
+    typo = subprocess.run([sys.executable, "-m", "lkcnn.bench", "app", "trainer.max_step=3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert typo.returncode != 0 and "did you mean trainer.max_steps" in typo.stderr and "Traceback" not in typo.stderr
 
 
 def test_gpu_timeline_needs_a_gpu():

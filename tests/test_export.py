@@ -22,6 +22,7 @@ from lkcnn.deploy import export
 from lkcnn.deploy.checkpoint import CheckpointError
 from lkcnn.deploy.export import ExportError, export_checkpoint, load_deployed
 from lkcnn.export import main
+from lkcnn.ops import dwconv
 from lkcnn.training.module import ClassificationModule
 
 SIZE = (32, 32)  # small inputs keep the CPU tests fast; the large kernels still overhang the maps
@@ -264,7 +265,7 @@ def test_load_deployed_detects_changed_weights(ckpt, tmp_path):
         load_deployed(out)
 
 
-def test_cli_exports_and_reports_errors_in_one_line(ckpt, tmp_path, capsys):
+def test_cli_exports_and_reports_errors_in_one_line(ckpt, tmp_path, capsys, monkeypatch):
     path = ckpt[0]
     assert main([str(path), str(tmp_path / "out"), "--set", "num_classes=5", "--input-size", *map(str, SIZE)]) == 0
     assert "exported replknet_tiny" in capsys.readouterr().out
@@ -277,6 +278,13 @@ def test_cli_exports_and_reports_errors_in_one_line(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(path), str(tmp_path / "out3"), "--set", "kernel_sizes"])
     assert "--set expects key=value" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # LKCNN_CONV_IMPL=cuda exported where lkcnn's kernels cannot run
+        monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")
+        monkeypatch.setattr(dwconv, "_env_impl", None)  # as a new process reads it
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path), str(tmp_path / "out4"), "--input-size", *map(str, SIZE)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "forced to cuda" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_module_entry_point_fails_cleanly(tmp_path):

@@ -14,12 +14,14 @@ import timm
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import lkcnn  # noqa: F401  (registers lkcnn's models with timm)
+from lkcnn.deploy.checkpoint import read_checkpoint
 from lkcnn.training import ConfigError, resolve_ckpt_path
 from lkcnn.training.callbacks.run_summary import stage_kernels
 from lkcnn.training.configs import command_line_error
+from lkcnn.training.resume import check_resume_config, claim_run_dir
 from lkcnn.training.errors import exit_on_user_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +103,70 @@ def test_resuming_into_a_new_folder_says_where_the_earlier_best_stays(tmp_path, 
     assert (tmp_path / "b" / "checkpoints" / "last.ckpt").exists() and last.exists()  # nothing overwritten
 
 
+def test_another_runs_folder_is_refused_and_kept_unless_the_run_resumes_there(tmp_path):
+    """hydra.run.dir=<an earlier run> without its ckpt_path (or two runs in one second's default folder) would have
+    Lightning overwrite that run's last.ckpt and metrics: one line instead, nothing written; resuming there works."""
+    run = tmp_path / "a"
+    train_app.train(make_cfg(run, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0", "logger=csv"))
+    last = run / "checkpoints" / "last.ckpt"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    message = user_error(make_cfg(run, tmp_path, "trainer.max_steps=2", "trainer.limit_val_batches=0"))
+    assert f"{run} already holds another run" in message and f"ckpt_path={last}" in message
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    train_app.train(make_cfg(run, tmp_path, "trainer.max_epochs=2", "trainer.limit_val_batches=0", f"ckpt_path={last}"))
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] > 1  # trained on, in place
+    claim_run_dir(str(tmp_path / "b"), None)  # a run that started at the same moment, in the same default folder
+    with pytest.raises(ConfigError, match="already holds another run"):
+        claim_run_dir(str(tmp_path / "b"), None)
+
+
+def test_the_command_refuses_another_runs_folder_before_hydra_writes_into_it(tmp_path):
+    first = run_cli(f"hydra.run.dir={tmp_path}", "trainer.max_steps=1", "trainer.limit_val_batches=0")
+    assert first.returncode == 0, first.stderr[-2000:]
+    config = (tmp_path / ".hydra" / "config.yaml").read_text()
+    again = run_cli(f"hydra.run.dir={tmp_path}", "trainer.max_steps=2", "trainer.limit_val_batches=0")
+    assert again.returncode != 0 and f"{tmp_path} already holds another run" in again.stderr
+    assert "Traceback" not in again.stderr and (tmp_path / ".hydra" / "config.yaml").read_text() == config
+
+
+def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_settings_are_named(tmp_path):
+    """Lightning restores EMA weights, optimizer state and schedule as they were: EMA turned off, another optimizer
+    or weight decay turned off would end in a load_state_dict traceback, and a new lr would be silently ignored."""
+    run = tmp_path / "a"
+    train_app.train(make_cfg(run, tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0"))
+    last = str(run / "checkpoints" / "last.ckpt")
+    message = user_error(make_cfg(tmp_path / "b", tmp_path, f"ckpt_path={last}", "module.ema=null"))
+    assert "trained with EMA on and this run has it off" in message and "module.ema" in message
+    assert not (tmp_path / "b").exists()
+
+    def config(*overrides: str) -> dict:
+        return OmegaConf.to_container(make_cfg(tmp_path / "c", tmp_path, *overrides), resolve=True)
+    for override, named in (("optim.optimizer.opt=sgd", "optim.optimizer.opt=adamw (this run: sgd)"),
+                            ("optim.optimizer.weight_decay=0", "optim.optimizer.weight_decay=0.05 (this run: 0)"),
+                            ("optim.optimizer.layer_decay=0.7", "optim.optimizer.layer_decay=None (this run: 0.7)")):
+        with pytest.raises(ConfigError, match="resumes only into the same optimizer") as refused:
+            check_resume_config(last, config(override))
+        assert named in str(refused.value)
+    (warning,) = check_resume_config(last, config("optim.optimizer.lr=1e-5", "optim.optimizer.weight_decay=0.1"))
+    assert "optim.optimizer.lr=0.002 (this run: 1e-05)" in warning and "weight_decay=0.05 (this run: 0.1)" in warning
+    assert check_resume_config(last, config()) == [] and check_resume_config(None, config("module.ema=null")) == []
+
+
+@pytest.mark.parametrize("override,said", [
+    ("trainer.max_epochs=abc", "trainer.max_epochs='abc': the cosine schedule is laid out over epochs"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 must be at least 1"),
+    ("optim.optimizer.lr=-1", "optim.optimizer: Invalid learning rate: -1"),
+    ("optim.optimizer.opt=adamww", "optim.optimizer: Optimizer adamww not found"),
+    ("optim.scheduler.sched=cosin", "optim.scheduler: Unknown scheduler"),
+    ("model.drop_path_rate=2", "drop_path_rate=2 must be a number in [0, 1)"),
+    ("cpu_threads=-1", "cpu_threads=-1 must be a whole number of at least 1"),
+    ("seed=abc", "seed='abc' must be a whole number of at least 0"),
+    ("+data.transform.interpolation=bicubc", "data.transform: KeyError 'bicubc' from timm's create_transform"),
+])
+def test_values_that_timm_torch_or_lightning_reject_are_one_line_errors(tmp_path, override, said):
+    assert said in user_error(make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=1", override))
+
+
 def test_cli_prints_lightning_lines_once_without_advertisements(tmp_path):
     result = run_cli(f"hydra.run.dir={tmp_path}", "trainer.fast_dev_run=true")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -122,6 +188,10 @@ def test_bad_checkpoint_files_are_one_line_errors(tmp_path):
         assert str(path) in message and ("truncated or corrupt" in message or "not a readable" in message), message
     other = user_error(make_cfg(tmp_path / "c", tmp_path, f"ckpt_path={last}", "model.kernel_sizes=[13,13,13,13]"))
     assert "kernel_sizes=default (this run: [13, 13, 13, 13])" in other
+    weights = tmp_path / "weights.pth"  # the network's weights only: a run starts from them, it does not resume them
+    torch.save(read_checkpoint(last).state_dict, weights)
+    plain = user_error(make_cfg(tmp_path / "d", tmp_path, f"ckpt_path={weights}"))
+    assert "is not a checkpoint written by train.py" in plain and f"+model.checkpoint_path={weights}" in plain
 
 
 def test_cli_mismatched_checkpoint_exits_with_one_line(tmp_path):

@@ -38,7 +38,8 @@ def test_a_name_close_to_nothing_lists_lkcnn_models_in_one_line():
 
 
 @pytest.mark.parametrize("argv, message", [(["replknet_tiny", "--set", "kernel_sizes"], "--set expects key=value"),
-                                           (["replknet_tiny", "--set", "no_such_kwarg=1"], "does not accept")])
+                                           (["replknet_tiny", "--set", "no_such_kwarg=1"], "does not accept"),
+                                           (["replknet_tiny_32px"], "is a train.py model config (conf/model/")])
 def test_bad_settings_end_in_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -62,6 +62,12 @@ def test_too_few_batches_is_one_clear_error():
     assert "Traceback" not in result.stderr
 
 
+def test_a_config_typo_is_one_line_with_the_closest_name():
+    result = _run("data=digitz")
+    assert result.returncode != 0 and "data=digitz is not one of the data configs" in result.stderr
+    assert "did you mean digits" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_comparing_the_decode_paths_needs_a_gpu_and_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: test_decode_paths_compared_on_generated_jpegs runs instead")

@@ -135,6 +135,11 @@ def test_refuses_to_overwrite_unless_asked(tmp_path, capsys):
     assert sorted(n for n in after if n.startswith("train-")) == [f"train-00000{i}.tar" for i in range(3)]
     assert {n: v for n, v in after.items() if n.startswith("val")} == \
         {n: v for n, v in before.items() if n.startswith("val")}  # the split not asked for is untouched
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(SystemExit) as info:  # DST_ROOT under a file: one line, the file kept
+        main([str(tmp_path / "src"), str(tmp_path / "a_file" / "dst")])
+    assert str(info.value).startswith("Error: cannot write the shards under") and "\n" not in str(info.value)
+    assert (tmp_path / "a_file").read_text() == "mine"
 
 
 def corrupt_one_member(dst: Path) -> str:

@@ -34,7 +34,8 @@ from torch.profiler import ProfilerActivity, profile
 from lkcnn import timing
 from lkcnn.bench import ROOT
 from lkcnn.bench.profile import gpu_timeline, kernel_table, per_step
-from lkcnn.training.configs import compose_train
+from lkcnn.training.configs import compose_checked
+from lkcnn.training.errors import exit_on_user_error
 
 # What the StepProfile that Hydra instantiates measured: the callback is built inside train.py's train(), which
 # hands back only metrics, so it leaves its profiler and step time here.
@@ -65,6 +66,7 @@ class StepProfile(L.Callback):
             RESULT["step_ms"] = (time.perf_counter() - RESULT["start"]) / self.batches * 1e3
             self.stop()  # (torch.profiler's takes a while too: it collects the events)
             RESULT["profiler"] = self.profiler
+            trainer.should_stop = True  # the profile is what this run is for
 
 
 def _print_host(profiler: cProfile.Profile, top: int) -> None:
@@ -101,14 +103,19 @@ def main(argv: Sequence[str]) -> None:
     args = _parser().parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         sys.exit("--gpu needs a CUDA GPU: without it, profile the host (no --gpu)")
+    steps = args.warmup + args.batches
     train = runpy.run_path(str(ROOT / "train.py"))["train"]  # the app's own entry, a file of the checkout
-    out = tempfile.mkdtemp(prefix="lkcnn_profile_")
     callback = (f"{{_target_: {__name__}.StepProfile, warmup: {args.warmup}, batches: {args.batches}, "
                 f"gpu: {str(args.gpu).lower()}}}")
-    extra = [f"paths.output_dir={out}", f"paths.runs_dir={out}", f"+callbacks.step_profile={callback}"]
-    train(compose_train([*args.overrides, *extra]))
+    with tempfile.TemporaryDirectory(prefix="lkcnn_profile_") as out, exit_on_user_error():
+        extra = [f"paths.output_dir={out}", f"paths.runs_dir={out}", f"+callbacks.step_profile={callback}"]
+        cfg = compose_checked([*args.overrides, *extra])
+        if 0 < cfg.trainer.get("max_steps", -1) < steps:
+            sys.exit(f"trainer.max_steps={cfg.trainer.max_steps} ends the run before the profile's last step "
+                     f"({steps} = --warmup + --batches): raise it, or leave it out (the run stops after the profile)")
+        train(cfg)
     if "profiler" not in RESULT:
-        sys.exit(f"no profile: the run ended before step {args.warmup + args.batches} (raise trainer.max_steps)")
+        sys.exit(f"no profile: the run ended before step {steps} (raise trainer.max_epochs)")
     what = "torch.profiler" if args.gpu else "cProfile"
     print(f"{RESULT['step_ms']:.1f} ms per step under {what}, {args.batches} steps after {args.warmup}")
     if args.gpu:

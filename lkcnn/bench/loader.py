@@ -39,7 +39,7 @@ from hydra.utils import instantiate
 
 from lkcnn import timing
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.training.configs import compose_train
+from lkcnn.training.configs import compose_checked
 from lkcnn.training.data import gpu_decode
 from lkcnn.training.errors import exit_on_user_error
 
@@ -56,10 +56,10 @@ def loading_cores(num_workers: int) -> int:
 
 def training_datamodule(overrides: Sequence[str]) -> Any:
     """The DataModule of train.py's config with `overrides`, set up for fit, in a process threaded as train.py's."""
-    cfg = compose_train(overrides)
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)  # as train.py does: the main process pins and collates
     with exit_on_user_error():
+        cfg = compose_checked(overrides)
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)  # as train.py does: the main process pins and collates
         datamodule = instantiate(cfg.data)
         datamodule.setup("fit")
     return datamodule

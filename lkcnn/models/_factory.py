@@ -74,6 +74,10 @@ def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.M
     if not isinstance(name, str) or not timm.is_model(name):
         raise UnknownModelError(name)
     kwargs = spell_small_kernel(kwargs)
+    rate = kwargs.get("drop_path_rate", 0.0)  # timm builds any value; a bad one fails in the first training step
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ModelError(f"model {name!r}: drop_path_rate={rate!r} must be a number in [0, 1) (the stochastic depth "
+                         "of the last block)")
     try:
         model = timm.create_model(name, **kwargs)
     except (TypeError, ValueError) as err:  # an unknown keyword or a value the architecture rejects

@@ -8,6 +8,8 @@ from typing import Any
 
 from lkcnn.errors import one_line
 
+from .errors import ConfigError
+
 # conf/ ships with the source tree (a checkout or an editable install), beside the lkcnn package
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -18,6 +20,18 @@ def compose_train(overrides: Sequence[str]) -> Any:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides))
+
+
+def compose_checked(overrides: Sequence[str]) -> Any:
+    """compose_train for the tools that take train.py's overrides: overrides that do not compose are a ConfigError
+    in one line (command_line_error's), as train.py reports them."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose_train(overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(command_line_error(overrides) or one_line(err)) from None
 
 
 def command_line_error(args: Sequence[str]) -> str | None:

@@ -25,6 +25,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from lkcnn.compile import AUTO_COMPILE_MODE, check_settings, compile_model
+from lkcnn.errors import first_line
 from lkcnn.ops.sync_batchnorm import DEFAULT_EXCHANGE_TIMEOUT_S, check_nvlink_exchange
 
 from .distributed import compile_as_one_graph_under_ddp, configure_sync_bn_exchange, use_nvlink_exchange
@@ -198,18 +199,30 @@ class ClassificationModule(L.LightningModule):
             rank_zero_info(f"gradient clipping is on: {kwargs['opt']} runs unfused (optim.optimizer.fused=false)")
             kwargs["fused"] = False
         try:
-            optimizer = create_optimizer_v2(self.model, **kwargs)
-        except TypeError as err:  # optimizers without a fused kernel (timm's lamb, lion, ...) take no `fused`
-            if "fused" not in kwargs or "fused" not in str(err):
-                raise
-            rank_zero_info(f"optimizer {kwargs['opt']!r} has no fused kernel: optim.optimizer.fused ignored")
-            optimizer = create_optimizer_v2(self.model, **{k: v for k, v in kwargs.items() if k != "fused"})
+            try:
+                optimizer = create_optimizer_v2(self.model, **kwargs)
+            except TypeError as err:  # optimizers without a fused kernel (timm's lamb, lion, ...) take no `fused`
+                if "fused" not in kwargs or "fused" not in str(err):
+                    raise
+                rank_zero_info(f"optimizer {kwargs['opt']!r} has no fused kernel: optim.optimizer.fused ignored")
+                optimizer = create_optimizer_v2(self.model, **{k: v for k, v in kwargs.items() if k != "fused"})
+        except (TypeError, ValueError) as err:  # timm's and torch's checks: an unknown opt, a negative or text lr
+            raise ConfigError(f"optim.optimizer: {first_line(err)} (the settings are timm's create_optimizer_v2 "
+                              "arguments, e.g. optim.optimizer.opt=adamw optim.optimizer.lr=2e-3)") from err
         epochs = self.trainer.max_epochs
-        if not epochs or epochs < 1:
-            raise ConfigError("the cosine schedule is laid out over epochs: set trainer.max_epochs")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"trainer.max_epochs={epochs!r}: the cosine schedule is laid out over epochs; set a "
+                              "positive whole number")
+        if self.trainer.accumulate_grad_batches < 1:
+            raise ConfigError(f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches} must be at "
+                              "least 1")
         updates_per_epoch = math.ceil(self.trainer.estimated_stepping_batches / epochs)
-        scheduler, _ = create_scheduler_v2(optimizer, num_epochs=epochs, step_on_epochs=False,
-                                           updates_per_epoch=updates_per_epoch, **optim["scheduler"])
+        try:
+            scheduler, _ = create_scheduler_v2(optimizer, num_epochs=epochs, step_on_epochs=False,
+                                               updates_per_epoch=updates_per_epoch, **optim["scheduler"])
+        except (TypeError, ValueError) as err:  # e.g. an unknown sched
+            raise ConfigError(f"optim.scheduler: {first_line(err)} (the settings are timm's create_scheduler_v2 "
+                              "arguments, e.g. optim.scheduler.sched=cosine)") from err
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def scaled_lr(self, lr: float, lr_base_batch: int | None) -> float:

@@ -1,12 +1,17 @@
-"""`ckpt_path=...` for train.py: a checkpoint file, or `latest` for the newest last.ckpt of this model.
+"""`ckpt_path=...` for train.py: a checkpoint file, or `latest` for the newest last.ckpt of this model; and the run
+folder a run writes into.
 
 The file is read (weights only) and checked against the configured network before Lightning restores it, so a
 truncated file, a file that is not a checkpoint or one written for other kernel sizes ends in one line instead of a
-traceback from deep inside torch.load or load_state_dict.
+traceback from deep inside torch.load or load_state_dict. A run folder that holds another run's checkpoints or logs is
+refused unless the run resumes from it, since Lightning would overwrite them.
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -51,10 +56,13 @@ def resolve_ckpt_path(ckpt_path: str | None, runs_dir: str, model: nn.Module) ->
 
 
 def mismatch(path: str | Path, model: nn.Module) -> str | None:
-    """Why the checkpoint cannot resume `model` (None when it can); CheckpointError when it cannot be read."""
+    """Why the checkpoint cannot resume `model` (None when it can); CheckpointError when it cannot be read or was not
+    written by train.py."""
     checkpoint = read_checkpoint(path)
     if checkpoint.kind != "lightning":
-        return "not a checkpoint written by train.py (to start from other weights, export or load them instead)"
+        raise CheckpointError(f"ckpt_path={path} is not a checkpoint written by train.py: ckpt_path resumes a run of "
+                              f"train.py; to start a new run from a state_dict of this network, pass "
+                              f"+model.checkpoint_path={path} instead (timm loads it into the model)")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     given = {k: tuple(v.shape) for k, v in checkpoint.state_dict.items()}
     if given == expected:
@@ -84,3 +92,73 @@ def resume_note(ckpt_path: str | None, output_dir: str) -> str | None:
     run = source.parent if source.name == "checkpoints" else source
     return (f"{taken}; the best checkpoint is tracked afresh in this run's folder, the earlier best stays in {source} "
             f"(hydra.run.dir={run} resumes in that folder)")
+
+
+# optimizer settings whose change alters the optimizer's state or parameter groups: that state cannot be restored
+_OPTIMIZER_STRUCTURE = ("opt", "layer_decay")
+
+
+def check_resume_config(ckpt_path: str | None, config: dict[str, Any]) -> list[str]:
+    """Refuse (ConfigError) a resume whose config changed what the checkpoint's training state needs: EMA turned on
+    or off, another optimizer, weight decay turned on or off, layer decay. Returns warnings for the other optimizer
+    settings that changed (lr, weight_decay, ...): the restored optimizer and schedule keep the checkpoint's.
+    `config` is this run's resolved config; a checkpoint without the training app's config is not checked."""
+    stored = read_checkpoint(ckpt_path).hydra_config if ckpt_path else None
+    if not stored or "module" not in stored or "optim" not in stored:
+        return []
+    was, now = (stored["module"].get("ema") is not None), (config["module"].get("ema") is not None)
+    if was != now:
+        raise ConfigError(f"ckpt_path={ckpt_path} was trained with EMA {'on' if was else 'off (module.ema=null)'} and "
+                          f"this run has it {'on' if now else 'off'}: its training state resumes only with the same "
+                          "module.ema; pass it as that run did, or start a fresh run")
+    old, new = stored["optim"].get("optimizer", {}), config["optim"].get("optimizer", {})
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    structural = [k for k in changed
+                  if k in _OPTIMIZER_STRUCTURE or (k == "weight_decay" and bool(old.get(k)) != bool(new.get(k)))]
+    if structural:
+        settings = ", ".join(f"optim.optimizer.{k}={old.get(k)} (this run: {new.get(k)})" for k in structural)
+        raise ConfigError(f"ckpt_path={ckpt_path}: its optimizer state resumes only into the same optimizer, and this "
+                          f"run changed {settings}: resume with that run's optim settings, or start a fresh run")
+    if not changed:
+        return []
+    kept = ", ".join(f"optim.optimizer.{k}={old.get(k)} (this run: {new.get(k)})" for k in changed)
+    return [f"ckpt_path={ckpt_path} restores its optimizer and schedule, so {kept} stay as they were; start a fresh "
+            "run to change them"]
+
+
+RUN_MARKER = ".lkcnn-run"  # created (exclusively) by each run in its folder: two runs never share one
+
+
+def _resumes_in(folder: Path, ckpt_path: str | None) -> bool:
+    return ckpt_path is not None and Path(ckpt_path).resolve().parent == (folder / "checkpoints").resolve()
+
+
+def other_run(output_dir: str, ckpt_path: str | None) -> str | None:
+    """Why a run resuming from `ckpt_path` (None: a fresh run) may not write into `output_dir`: the folder holds
+    another run's marker, checkpoints or metrics, and the run does not resume from its checkpoints; None if it may."""
+    folder = Path(output_dir)
+    found = [name for name in (RUN_MARKER, "checkpoints", "csv") if (folder / name).exists()]
+    if not found or _resumes_in(folder, ckpt_path):
+        return None
+    return (f"{folder} already holds another run ({', '.join(found)}): Lightning would overwrite its files. Resume "
+            f"it with ckpt_path={folder / 'checkpoints' / 'last.ckpt'}, or start this run in a new folder (leave "
+            "hydra.run.dir unset, or pass another)")
+
+
+def claim_run_dir(output_dir: str, ckpt_path: str | None) -> None:
+    """Make `output_dir` this run's folder, or raise ConfigError where it belongs to another run (`other_run`). Two
+    runs started in the same second get the same default folder (Hydra's <date>/<time>): the marker, created
+    exclusively, lets only one in."""
+    if message := other_run(output_dir, ckpt_path):
+        raise ConfigError(message)
+    folder = Path(output_dir)
+    resuming_here = _resumes_in(folder, ckpt_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (0 if resuming_here else os.O_EXCL)
+    try:
+        fd = os.open(folder / RUN_MARKER, flags | os.O_TRUNC, 0o644)
+    except FileExistsError:  # a run that started at the same moment took the folder first
+        raise ConfigError(f"{folder} was taken by another run that started at the same moment: start this run "
+                          "again (a new second gives a new folder) or pass another hydra.run.dir") from None
+    with os.fdopen(fd, "w") as marker:
+        marker.write(" ".join(sys.argv) + "\n")

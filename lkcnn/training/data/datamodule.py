@@ -103,8 +103,13 @@ class ImageDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
-            train_transform = create_transform(self.img_size, is_training=True, **self.transform)
-            eval_transform = create_transform(self.img_size, is_training=False, **self.transform)
+            try:
+                train_transform = create_transform(self.img_size, is_training=True, **self.transform)
+                eval_transform = create_transform(self.img_size, is_training=False, **self.transform)
+            except (AssertionError, KeyError, TypeError, ValueError) as err:  # timm's checks of its arguments
+                raise ConfigError(f"data.transform: {type(err).__name__} {err} from timm's create_transform; its "
+                                  "arguments are timm's (interpolation=bicubic, auto_augment=rand-m9-mstd0.5-inc1, "
+                                  "...)") from err
             self.train_set, self.val_set = self.make_datasets(train_transform, eval_transform)
             if self.decode == "gpu":
                 self._to_device_decode(train_transform, eval_transform)

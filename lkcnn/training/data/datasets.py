@@ -113,4 +113,4 @@ def scan_class_folders(folder: Path, layout: str) -> tuple[list[str], list[tuple
         classes, class_to_idx = find_classes(str(folder))
         return classes, make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS)
     except FileNotFoundError as err:
-        raise PathNotFoundError(f"{err}{layout}") from err
+        raise PathNotFoundError(f"{str(err).rstrip('.')}{layout}") from err

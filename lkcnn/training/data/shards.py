@@ -330,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         convert(args.src, args.dst, args.splits, args.shard_size, args.seed, args.overwrite, args.workers)
     except UserError as err:
         sys.exit(f"Error: {err}")
+    except OSError as err:  # e.g. DST_ROOT or a folder above it is a file, or not writable
+        sys.exit(f"Error: cannot write the shards under {args.dst}: {err.strerror or err} ({err.filename}); pass a "
+                 "DST_ROOT folder that can be created or written")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from ..errors import ConfigError, PathNotFoundError
 def carve_validation(targets: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) indices with `fraction` of every class in val, the same for the same seed."""
     if not 0 < fraction < 1:
-        raise ConfigError(f"the validation fraction must be in (0, 1), got {fraction}")
+        raise ConfigError(f"data.val_fraction={fraction} must be in (0, 1): the share of each class held out for "
+                          "validation")
     rng = np.random.default_rng(seed)
     val = np.concatenate([rng.permutation(np.flatnonzero(targets == c))[:round(fraction * np.sum(targets == c))]
                           for c in np.unique(targets)])
@@ -68,7 +69,8 @@ class ImageFolderDataModule(ImageDataModule):
         self.val_dir = self.root / "val" if has_split and (self.root / "val").is_dir() else None
 
     def _layout_message(self, require_val: bool) -> str:
-        missing = "does not exist" if not self.root.is_dir() else "lacks train/ and val/ folders"
+        missing = ("is not a folder" if self.root.exists() else "does not exist") if not self.root.is_dir() else \
+            "lacks train/ and val/ folders"
         layout = (f"  {self.root}/train/<class>/<image>   (one folder per class)\n"
                   f"  {self.root}/val/<class>/<image>     (the same class folders)")
         if not require_val:
@@ -87,7 +89,9 @@ class ImageFolderDataModule(ImageDataModule):
         if self.val_dir is not None:
             val_classes, val_samples = self._scan(self.val_dir)
             if val_classes != classes:
-                raise ConfigError(f"the class folders of {self.val_dir} differ from those of {self.train_dir}")
+                only = sorted(set(val_classes) ^ set(classes))[:5]
+                raise ConfigError(f"the class folders of {self.val_dir} differ from those of {self.train_dir} "
+                                  f"({', '.join(only)} in one of them only): give both the same class folders")
             return ImageFiles(samples, train_transform), ImageFiles(val_samples, eval_transform)
         train, val = carve_validation(np.array([t for _, t in samples]), self.val_fraction, self.split_seed)
         return (ImageFiles([samples[i] for i in train], train_transform),
