@@ -13,11 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, then validate the best checkpoint (Lightning prints the metrics table); returns those metrics."""
-    # imported here so that --help and --cfg answer without loading torch
+    # imported here, not at the top: Hydra's --help and --cfg need none of these
     import lightning as L
     import torch
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
     from lkcnn.training import ConfigError, SyncBatchNormPlugin, resolve_ckpt_path
@@ -52,6 +53,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # always: what the run does, before its first step
     callbacks.append(RunSummary(choices, cfg.paths.output_dir, resume_note(ckpt_path, cfg.paths.output_dir)))
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    if not loggers:  # logger=[] or ~logger: nothing for the learning-rate monitor to log to (Lightning refuses it)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # sync_batchnorm: lkcnn's SyncBatchNorm, which (unlike torch.nn.SyncBatchNorm) does not stall the CPU per layer
     plugins = {"plugins": [SyncBatchNormPlugin()]} if cfg.trainer.get("sync_batchnorm") else {}
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)

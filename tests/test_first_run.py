@@ -162,9 +162,17 @@ def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_setting
     ("cpu_threads=-1", "cpu_threads=-1 must be a whole number of at least 1"),
     ("seed=abc", "seed='abc' must be a whole number of at least 0"),
     ("+data.transform.interpolation=bicubc", "data.transform: KeyError 'bicubc' from timm's create_transform"),
+    ("+model.checkpoint_path=/no/such/weights.pth", "checkpoint_path=/no/such/weights.pth is not a file"),
 ])
 def test_values_that_timm_torch_or_lightning_reject_are_one_line_errors(tmp_path, override, said):
     assert said in user_error(make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=1", override))
+
+
+def test_a_run_without_loggers_trains_without_the_learning_rate_monitor(tmp_path):
+    """`~logger` (or logger=[]): Lightning refuses a LearningRateMonitor without a logger, after the sanity check."""
+    train_app.train(make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0",
+                             "~logger"))
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_cli_prints_lightning_lines_once_without_advertisements(tmp_path):

@@ -7,6 +7,7 @@ import json
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import timm
@@ -74,6 +75,10 @@ def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.M
     if not isinstance(name, str) or not timm.is_model(name):
         raise UnknownModelError(name)
     kwargs = spell_small_kernel(kwargs)
+    path = kwargs.get("checkpoint_path")  # timm raises a FileNotFoundError without the path for a missing one
+    if path and not Path(path).is_file():
+        raise ModelError(f"model {name!r}: checkpoint_path={path} is not a file: pass a weights file (a state_dict "
+                         "of this network)")
     rate = kwargs.get("drop_path_rate", 0.0)  # timm builds any value; a bad one fails in the first training step
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
         raise ModelError(f"model {name!r}: drop_path_rate={rate!r} must be a number in [0, 1) (the stochastic depth "
