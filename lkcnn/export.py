@@ -114,6 +114,7 @@ def run_quantized(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if len(keep_float) > 1:
             fail("--keep-float none quantizes every layer; it takes no module names beside it.")
         keep_float = []
+
     def batches() -> list[Tensor]:
         try:
             return calibration_batches(args.calibrate, args.calib_batches)

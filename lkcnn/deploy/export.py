@@ -25,7 +25,7 @@ from torch import nn
 import lkcnn
 from lkcnn.deploy.checkpoint import Checkpoint, CheckpointError, load_weights, read_checkpoint
 from lkcnn.deploy.reparam import reparameterize_model
-from lkcnn.errors import UserError
+from lkcnn.errors import UserError, first_line
 from lkcnn.models import LkcnnModel, ModelError, build_model, checkpoint_filter_fn
 from lkcnn.ops import reference
 
@@ -224,7 +224,7 @@ def write_onnx_graph(model: nn.Module, x: torch.Tensor, path: Path, what: str = 
                           output_names=["logits"], verbose=False,
                           external_data=_nbytes(model) > 2**31 - 2**27, **export_kwargs)  # protobuf's 2 GiB limit
     except Exception as e:  # torch.export / onnxscript raise many types; report one line, keep the cause
-        raise ExportError(f"{what} export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+        raise ExportError(f"{what} export failed ({type(e).__name__}: {first_line(e)}). "
                           "Nothing was written; export without --onnx and report the error.") from e
     graph = onnx.load(str(path), load_external_data=False)
     nodes = list(graph.graph.node) + [n for f in graph.functions for n in f.node]
