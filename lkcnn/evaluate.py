@@ -5,7 +5,8 @@ SOURCE is an export folder (float or 8-bit: `lkcnn.load_deployed`) or a checkpoi
 the way the exporter does it). Prints `top1=... top5=... images/s=...`; images/s counts the model's time only
 (CUDA events around each call on a GPU, the first batch left out as warm-up), not the loading of the images. On a GPU
 an 8-bit export runs as deployed, its GEMMs and large kernels in 8 bits (`lkcnn.deploy.gemm8`); on the CPU, and for
-FP8 on a GPU without FP8 tensor cores, it runs its fake-quant reference.
+FP8 on a GPU without FP8 tensor cores, it runs its fake-quant reference. Images of another size than the model's input
+size are evaluated with a warning.
 
 This module also turns a data config into calibration batches for the 8-bit exporter: data configs are the training
 app's (Hydra, lkcnn.training), a layer above lkcnn.deploy.
@@ -13,6 +14,7 @@ app's (Hydra, lkcnn.training), a layer above lkcnn.deploy.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -144,17 +146,36 @@ def evaluate(model: nn.Module, datamodule: Any, device: torch.device, limit_batc
 
 
 def load_source(source: Path, model_name: str | None = None, overrides: dict[str, Any] | None = None,
-                ema: bool = False) -> tuple[nn.Module, str]:
-    """(model in eval mode, its precision): an export folder through `load_deployed`, a checkpoint through the
-    float exporter's checks (re-parameterized)."""
-    from lkcnn.deploy.export import load_deployed
+                ema: bool = False) -> tuple[nn.Module, str, dict[str, Any]]:
+    """(model in eval mode, its precision, its config.json content): an export folder through `load_deployed`, a
+    checkpoint through the float exporter's checks (re-parameterized; the config.json its export writes)."""
+    from lkcnn.deploy.export import CONFIG_FILE, load_deployed
     from lkcnn.deploy.quantized_export import deployed_from_checkpoint
 
     if source.is_dir():
         model = load_deployed(source)
+        config = json.loads((source / CONFIG_FILE).read_text())  # load_deployed has checked that it parses
     else:
-        model, _ = deployed_from_checkpoint(source, model_name, overrides, ema)
-    return model, getattr(model, "lkcnn_quantization", {}).get("precision", "fp32")
+        model, config = deployed_from_checkpoint(source, model_name, overrides, ema)
+    return model, getattr(model, "lkcnn_quantization", {}).get("precision", "fp32"), config
+
+
+def resolution_warning(source: Path, config: dict[str, Any], img_size: int) -> str | None:
+    """What to say when the data's images (data.img_size, square) differ from the model's input size (config.json's
+    data_config): evaluating at another resolution is legitimate (e.g. FixRes) and works (lkcnn's models pool
+    globally), but the accuracy differs from the model's, so it is a warning, not an error."""
+    from lkcnn.deploy.export import CONFIG_FILE
+
+    size = config.get("data_config", {}).get("input_size", [])[-2:]
+    if len(size) != 2 or tuple(size) == (img_size, img_size):
+        return None
+    height, width = size
+    origin = source / CONFIG_FILE if source.is_dir() else "its training run's data.img_size, else the model's " \
+        "pretrained_cfg"
+    hint = f": pass data.img_size={height}, unless that is what you mean (e.g. a FixRes test resolution)" \
+        if height == width else " (the data configs give square images)"
+    return (f"the images are {img_size}x{img_size} (data.img_size={img_size}) but the model's input size is "
+            f"{height}x{width} ({origin}); accuracy at another resolution differs{hint}.")
 
 
 def on_device(model: nn.Module, precision: str, device: torch.device) -> tuple[nn.Module, str]:
@@ -202,9 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from lkcnn.models import parse_model_args
 
-        model, precision = load_source(args.source, args.model, parse_model_args(args.model_args), args.ema)
+        model, precision, config = load_source(args.source, args.model, parse_model_args(args.model_args),
+                                               args.ema)
         model, precision = on_device(model, precision, device)
         datamodule = make_datamodule(args.overrides)
+        warning = resolution_warning(args.source, config, datamodule.img_size)
+        if warning:
+            print(f"{parser.prog}: warning: {warning}", file=sys.stderr)
         result = evaluate(model, datamodule, device, args.limit_batches)
     except (UserError, ValueError, OSError) as e:  # DataError, ExportError, ConvImplError, a damaged export, ...
         fail(str(e))

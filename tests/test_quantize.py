@@ -3,6 +3,7 @@ the agreement check, lkcnn.evaluate, and one-line errors for bad inputs."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 import subprocess
@@ -416,6 +417,57 @@ def test_bad_inputs_end_in_one_line_and_write_nothing(digits_checkpoint, tmp_pat
     one_line_error(capsys, evaluate_main, [ckpt, "data=digits", "--device", "cuda:0"] if not torch.cuda.is_available()
                    else [str(tmp_path), "data=digits"], r"^lkcnn-evaluate: error: ")
     assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def run_at_32px(tmp_path) -> Path:
+    """An untrained replknet_tiny for the digits' 10 classes, saved as lkcnn's training app saves a run at
+    data.img_size=32: enough for the checks made before accuracy matters, in seconds."""
+    model = timm.create_model("replknet_tiny", num_classes=10).eval()
+    path = tmp_path / "run" / "last.ckpt"
+    path.parent.mkdir()
+    torch.save({"pytorch-lightning_version": "2.6.6", "lkcnn_model": model.lkcnn_spec,
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "hydra_config": {"model": model.lkcnn_spec, "data": {"img_size": 32}}}, path)
+    return path
+
+
+def test_calibration_images_of_another_size_than_the_export_are_refused(run_at_32px, tmp_path, capsys):
+    """Calibrating at 48 px a model exported at 32 px (its run's data.img_size) gave an 8-bit export whose config.json
+    says 32x32 while its model.onnx, traced on a calibration batch, takes 48x48 only, with activation ranges of the
+    other resolution: one line naming both sizes and both ways out, nothing written. Exporting at the calibration
+    size (--input-size) works."""
+    out = tmp_path / "out"
+    argv = [str(run_at_32px), str(out), "--precision", "int8", "--calibrate", "data=digits", "data.img_size=48",
+            "--calib-batches", "1", "--min-agreement", "0"]
+    one_line_error(capsys, export_main, argv,
+                   r"^lkcnn-export: error: --calibrate data=digits data.img_size=48 gives 48x48 images but the "
+                   r"export's input size is 32x32 \(--input-size, else the training run's data.img_size, else the "
+                   r"model's pretrained_cfg\): calibrate at it with data.img_size=32 in --calibrate, or export at "
+                   r"48x48 with --input-size 48 48\. Nothing was written\.$")
+    assert not out.exists()
+    assert export_main([*argv, "--input-size", "48", "48"]) == 0
+    assert json.loads((out / "config.json").read_text())["data_config"]["input_size"] == [3, 48, 48]
+
+
+def test_evaluate_warns_of_another_resolution_than_the_models(run_at_32px, tmp_path, capsys):
+    """Evaluating at another resolution than the model's is legitimate (FixRes) but changes its accuracy: one warning
+    line names both sizes, for a checkpoint (its run's data.img_size) and an export (its config.json); none at the
+    model's size."""
+    export_main([str(run_at_32px), str(tmp_path / "export")])
+    capsys.readouterr()
+    for source, origin in ((run_at_32px, "its training run's data.img_size, else the model's pretrained_cfg"),
+                           (tmp_path / "export", re.escape(str(tmp_path / "export" / "config.json")))):
+        assert evaluate_main([str(source), "data=digits", "data.img_size=48", "--device", "cpu",
+                              "--limit-batches", "1"]) == 0
+        out, err = capsys.readouterr()
+        assert re.fullmatch(rf"lkcnn-evaluate: warning: the images are 48x48 \(data.img_size=48\) but the model's "
+                            rf"input size is 32x32 \({origin}\); accuracy at another resolution differs: pass "
+                            r"data.img_size=32, unless that is what you mean \(e.g. a FixRes test resolution\)\.\n",
+                            err), err
+        assert re.match(r"top1=.* \(64 images, data=digits data.img_size=48, fp32, cpu\)$", out.strip()), out
+        assert evaluate_main([str(source), "data=digits", "--device", "cpu", "--limit-batches", "1"]) == 0
+        assert capsys.readouterr().err == ""
 
 
 def test_command_line_round_trip(digits_checkpoint, tmp_path):

@@ -60,6 +60,22 @@ def check_onnx_opset(precision: str, opset: int) -> None:
                           f"{MIN_OPSET[precision]} or newer. Nothing was written.")
 
 
+def check_calibration_size(batches: Sequence[Tensor], input_size: Sequence[int], source: str) -> None:
+    """Refuse calibration images of another size than the export's input size (config.json's): the activation ranges
+    would be those of another resolution, and model.onnx, traced on a calibration batch with only its batch dimension
+    dynamic, would take the calibration size only. The number of classes of the calibration data is no concern: its
+    labels are not used (the agreement check compares the 8-bit model with the float one)."""
+    expected = tuple(input_size)
+    other = next((tuple(x.shape[-2:]) for x in batches if tuple(x.shape[-2:]) != expected), None)
+    if other is not None:
+        (h, w), (height, width) = other, expected
+        at_it = f"calibrate at it with data.img_size={height} in --calibrate, or " if height == width else ""
+        raise ExportError(f"{f'--calibrate {source}' if source else 'the calibration data'} gives {h}x{w} images but "
+                          f"the export's input size is {height}x{width} (--input-size, else the training run's "
+                          f"data.img_size, else the model's pretrained_cfg): {at_it}export at {h}x{w} with "
+                          f"--input-size {h} {w}. Nothing was written.")
+
+
 def deployed_from_checkpoint(checkpoint: str | Path, model_name: str | None = None,
                              overrides: dict[str, Any] | None = None, ema: bool = False,
                              input_size: tuple[int, int] | None = None,
@@ -93,8 +109,9 @@ def export_quantized(
 ) -> dict[str, Any]:
     """Export the checkpoint's net in 8 bits (`precision` "int8" or "fp8") to `out_dir`; returns config.json's content.
 
-    `calibration` yields input batches (already transformed like validation images), or is a function returning
-    them, called after the cheap checks; `calibration_source` says where they came from (config.json records it).
+    `calibration` yields input batches (transformed like validation images, at the export's input size), or is a
+    function returning them, called after the cheap checks; `calibration_source` says where they came from
+    (config.json records it).
     `keep_float`: module names whose layers stay in float (None: the stem and the classifier; see
     `lkcnn.deploy.quantize.default_float_layers`).
     Raises ExportError / QuantizeError / CheckpointError with a one-line message; nothing is written then.
@@ -120,6 +137,7 @@ def export_quantized(
                           "pass a data config with training images, e.g. --calibrate data=digits.")
 
     float_model, float_config = deployed_from_checkpoint(checkpoint, model_name, overrides, ema, input_size, rtol)
+    check_calibration_size(batches, float_config["data_config"]["input_size"][1:], calibration_source)
     quantized = quantize(float_model, batches, precision, observer, percentile, keep_float)
     agreement, images = top1_agreement(float_model, quantized, batches)
     if agreement < min_agreement:
