@@ -85,14 +85,15 @@ if __name__ == "__main__":
     mistake = command_line_error(sys.argv[1:])  # a misspelled key or option: one line, not Hydra's report
     if mistake:
         sys.exit(f"Error: {mistake}")
-    # hydra.run.dir=<another run's folder>: refused before Hydra writes its .hydra/ files there (train() checks again,
-    # for runs whose folder comes from elsewhere). Lightning starts a DDP run's other ranks with rank 0's folder.
     from lightning.pytorch.utilities import rank_zero_only
 
+    from lkcnn.training.resume import other_run, unused_run_dir
+
+    OmegaConf.register_new_resolver("lkcnn.unused_dir", unused_run_dir, replace=True)  # conf/train.yaml's run folder
+    # hydra.run.dir=<another run's folder>: refused before Hydra writes its .hydra/ files there (train() checks again,
+    # for runs whose folder comes from elsewhere). Lightning starts a DDP run's other ranks with rank 0's folder.
     given = dict(arg.split("=", 1) for arg in sys.argv[1:] if arg.startswith(("hydra.run.dir=", "ckpt_path=")))
     if "hydra.run.dir" in given and given.get("ckpt_path") != "latest" and rank_zero_only.rank == 0:
-        from lkcnn.training.resume import other_run
-
         if taken := other_run(given["hydra.run.dir"], given.get("ckpt_path")):
             sys.exit(f"Error: {taken}")
     main()

@@ -14,6 +14,7 @@ import timm
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lkcnn  # noqa: F401  (registers lkcnn's models with timm)
@@ -21,7 +22,7 @@ from lkcnn.deploy.checkpoint import read_checkpoint
 from lkcnn.training import ConfigError, resolve_ckpt_path
 from lkcnn.training.callbacks.run_summary import stage_kernels
 from lkcnn.training.configs import command_line_error
-from lkcnn.training.resume import check_resume_config, claim_run_dir
+from lkcnn.training.resume import check_resume_config, claim_run_dir, unused_run_dir
 from lkcnn.training.errors import exit_on_user_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +128,28 @@ def test_the_command_refuses_another_runs_folder_before_hydra_writes_into_it(tmp
     again = run_cli(f"hydra.run.dir={tmp_path}", "trainer.max_steps=2", "trainer.limit_val_batches=0")
     assert again.returncode != 0 and f"{tmp_path} already holds another run" in again.stderr
     assert "Traceback" not in again.stderr and (tmp_path / ".hydra" / "config.yaml").read_text() == config
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    """Hydra's default folder is named after the second a run starts: a second run started in it (a shell loop of
+    background runs) wrote its .hydra/ files over the first's. conf/train.yaml's folder is unused_run_dir's."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        default = compose("train", return_hydra_config=True).hydra.run
+    assert OmegaConf.to_container(default)["dir"].startswith("${lkcnn.unused_dir:${paths.runs_dir}/${now:")
+    run = f"hydra.run.dir=${{lkcnn.unused_dir:{tmp_path}/run}}"  # the default's resolver, on a fixed name
+    first = run_cli(run, "trainer.max_steps=1", "trainer.limit_val_batches=0", "seed=1")
+    second = run_cli(run, "trainer.max_steps=1", "trainer.limit_val_batches=0", "seed=2")
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "run_1"]
+    for folder, seed in (("run", 1), ("run_1", 2)):
+        assert OmegaConf.load(tmp_path / folder / ".hydra" / "config.yaml").seed == seed
+        assert (tmp_path / folder / "checkpoints" / "last.ckpt").is_file()
+    (tmp_path / "taken").mkdir()
+    assert unused_run_dir(str(tmp_path / "taken")) == f"{tmp_path}/taken_1" and (tmp_path / "taken_1").is_dir()
+    assert unused_run_dir(str(tmp_path / "taken")) == f"{tmp_path}/taken_1"  # Hydra resolves it more than once
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert unused_run_dir(str(tmp_path / "rank1")) == str(tmp_path / "rank1")  # DDP ranks take rank 0's folder
+    assert not (tmp_path / "rank1").exists()
 
 
 def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_settings_are_named(tmp_path):

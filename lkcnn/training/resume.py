@@ -8,6 +8,7 @@ refused unless the run resumes from it, since Lightning would overwrite them.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -127,6 +128,30 @@ def check_resume_config(ckpt_path: str | None, config: dict[str, Any]) -> list[s
 
 
 RUN_MARKER = ".lkcnn-run"  # created (exclusively) by each run in its folder: two runs never share one
+_unused: dict[str, str] = {}  # unused_run_dir's answers: Hydra and Lightning resolve the run folder more than once
+
+
+def unused_run_dir(path: str) -> str:
+    """The default run folder (conf/train.yaml's `hydra.run.dir`, `<runs_dir>/<date>/<time>`) made this run's own:
+    `path`, or `path_1`, `path_2`, ... where a run that started in the same second (a shell loop of background runs,
+    a job array) has it. Without this both would share one folder and the second would write its .hydra/ files over
+    the first's. The folder is created here, exclusively, so runs started at once never get the same one. DDP's other
+    ranks take the path as it is: Lightning passes rank 0's folder to the processes it starts, and torchrun or srun
+    runs pin hydra.run.dir (docs/training_multigpu.md)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return path
+    if path not in _unused:
+        for n in itertools.count():
+            folder = Path(path if n == 0 else f"{path}_{n}")
+            try:
+                folder.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            _unused[path] = str(folder)
+            break
+    return _unused[path]
 
 
 def _resumes_in(folder: Path, ckpt_path: str | None) -> bool:
@@ -147,8 +172,7 @@ def other_run(output_dir: str, ckpt_path: str | None) -> str | None:
 
 def claim_run_dir(output_dir: str, ckpt_path: str | None) -> None:
     """Make `output_dir` this run's folder, or raise ConfigError where it belongs to another run (`other_run`). Two
-    runs started in the same second get the same default folder (Hydra's <date>/<time>): the marker, created
-    exclusively, lets only one in."""
+    runs started at once with the same hydra.run.dir: the marker, created exclusively, lets only one in."""
     if message := other_run(output_dir, ckpt_path):
         raise ConfigError(message)
     folder = Path(output_dir)
@@ -158,7 +182,7 @@ def claim_run_dir(output_dir: str, ckpt_path: str | None) -> None:
     try:
         fd = os.open(folder / RUN_MARKER, flags | os.O_TRUNC, 0o644)
     except FileExistsError:  # a run that started at the same moment took the folder first
-        raise ConfigError(f"{folder} was taken by another run that started at the same moment: start this run "
-                          "again (a new second gives a new folder) or pass another hydra.run.dir") from None
+        raise ConfigError(f"{folder} was taken by another run that started at the same moment: pass another "
+                          "hydra.run.dir (or leave it unset: each run then gets a folder of its own)") from None
     with os.fdopen(fd, "w") as marker:
         marker.write(" ".join(sys.argv) + "\n")
