@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,22 @@ def _batches(datamodule: Any, loader: Any) -> Iterator[tuple[Tensor, Tensor]]:
         if message is None:
             raise
         raise DataError(one_line(message)) from None
+
+
+def preprocessing_overrides(data_config: Mapping[str, Any]) -> list[str]:
+    """A model's preprocessing (config.json's `data_config`: timm's input size, mean/std, interpolation and crop) as
+    data overrides. Placed before a user's overrides (which win), they make evaluation and calibration feed the model
+    what it was trained and is deployed with, not the data config's defaults (another image size or normalization
+    would give another accuracy, or activation ranges of other inputs): timm's validate resolves its transform from
+    the model's data config the same way."""
+    def value(v: Any) -> str:
+        return f"[{','.join(map(str, v))}]" if isinstance(v, (list, tuple)) else str(v)
+
+    _, height, width = data_config["input_size"]
+    size = [f"data.img_size={height}"] if height == width else []  # data.img_size is square; else check_calibration_size
+    return size + [f"++data.transform.{key}={value(data_config[key])}" for key in ("mean", "std", "interpolation",
+                                                                                   "crop_pct")
+                   if data_config.get(key) is not None]
 
 
 def calibration_batches(overrides: Sequence[str], batches: int) -> list[Tensor]:
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         model, precision, config = load_source(args.source, args.model, parse_model_args(args.model_args),
                                                args.ema)
         model, precision = on_device(model, precision, device)
-        datamodule = make_datamodule(args.overrides)
+        datamodule = make_datamodule([*preprocessing_overrides(config["data_config"]), *args.overrides])
         warning = resolution_warning(args.source, config, datamodule.img_size)
         if warning:
             print(f"{parser.prog}: warning: {warning}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -20,7 +21,7 @@ from lkcnn.deploy.quantized_export import (
     export_quantized,
 )
 from lkcnn.errors import UserError
-from lkcnn.evaluate import DataError, calibration_batches
+from lkcnn.evaluate import DataError, calibration_batches, preprocessing_overrides
 from lkcnn.models import parse_model_args
 
 
@@ -115,9 +116,9 @@ def run_quantized(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fail("--keep-float none quantizes every layer; it takes no module names beside it.")
         keep_float = []
 
-    def batches() -> list[Tensor]:
-        try:
-            return calibration_batches(args.calibrate, args.calib_batches)
+    def batches(data_config: dict[str, Any]) -> list[Tensor]:
+        try:  # the export's preprocessing first: --calibrate's own data.* settings win
+            return calibration_batches([*preprocessing_overrides(data_config), *args.calibrate], args.calib_batches)
         except DataError as e:
             raise ExportError(f"--calibrate {' '.join(args.calibrate)}: {e}") from None
 

@@ -419,17 +419,51 @@ def test_bad_inputs_end_in_one_line_and_write_nothing(digits_checkpoint, tmp_pat
     assert sorted(tmp_path.iterdir()) == []
 
 
-@pytest.fixture
-def run_at_32px(tmp_path) -> Path:
-    """An untrained replknet_tiny for the digits' 10 classes, saved as lkcnn's training app saves a run at
-    data.img_size=32: enough for the checks made before accuracy matters, in seconds."""
+def save_run(path: Path, data: dict) -> Path:
+    """An untrained replknet_tiny for the digits' 10 classes, saved as lkcnn's training app saves a run with this
+    `data` config: enough for the checks made before accuracy matters, in seconds."""
     model = timm.create_model("replknet_tiny", num_classes=10).eval()
-    path = tmp_path / "run" / "last.ckpt"
     path.parent.mkdir()
     torch.save({"pytorch-lightning_version": "2.6.6", "lkcnn_model": model.lkcnn_spec,
                 "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "hydra_config": {"model": model.lkcnn_spec, "data": {"img_size": 32}}}, path)
+                "hydra_config": {"model": model.lkcnn_spec, "data": data}}, path)
     return path
+
+
+@pytest.fixture
+def run_at_32px(tmp_path) -> Path:
+    return save_run(tmp_path / "run" / "last.ckpt", {"img_size": 32})
+
+
+# a run's own preprocessing, none of it the digits config's (32 px, mean and std 0.5)
+OWN = {"img_size": 24, "transform": {"mean": [0.2] * 3, "std": [0.3] * 3, "interpolation": "bilinear", "crop_pct": 1.0}}
+
+
+def test_calibration_and_evaluation_take_the_models_preprocessing(tmp_path, monkeypatch):
+    """--calibrate data=digits and lkcnn-evaluate ... data=digits fed the model the data config's own image size and
+    normalization, not those it was trained with (config.json's data_config): activation ranges of other inputs, an
+    accuracy of another preprocessing. The model's come first now; the user's own data.* settings still win."""
+    import lkcnn.evaluate
+    import lkcnn.export
+
+    run = save_run(tmp_path / "run" / "last.ckpt", OWN)
+    calibrated, built = [], []
+    monkeypatch.setattr(lkcnn.export, "calibration_batches",
+                        lambda overrides, n: calibrated.append(calibration_batches(overrides, n)) or calibrated[-1])
+    monkeypatch.setattr(lkcnn.evaluate, "make_datamodule",
+                        lambda overrides: built.append(make_datamodule(overrides)) or built[-1])
+    assert export_main([str(run), str(tmp_path / "int8"), "--precision", "int8", "--calibrate", "data=digits",
+                        "--calib-batches", "1", "--min-agreement", "0"]) == 0
+    ((batch,),) = calibrated
+    (plain,) = calibration_batches(["data=digits", "data.img_size=24"], 1)  # the same images, normalized by 0.5
+    assert batch.shape[-2:] == (24, 24)
+    torch.testing.assert_close(batch * 0.3 + 0.2, plain * 0.5 + 0.5)  # the same pixels, the model's normalization
+    for source in (run, tmp_path / "int8"):
+        assert evaluate_main([str(source), "data=digits", "--device", "cpu", "--limit-batches", "1"]) == 0
+        assert built[-1].img_size == 24 and built[-1].transform == {**built[-1].transform, **OWN["transform"]}
+    assert evaluate_main([str(run), "data=digits", "data.transform.mean=[0.1,0.1,0.1]", "--device", "cpu",
+                          "--limit-batches", "1"]) == 0
+    assert built[-1].transform["mean"] == [0.1] * 3  # the user's setting wins
 
 
 def test_calibration_images_of_another_size_than_the_export_are_refused(run_at_32px, tmp_path, capsys):

@@ -110,8 +110,9 @@ def export_quantized(
     """Export the checkpoint's net in 8 bits (`precision` "int8" or "fp8") to `out_dir`; returns config.json's content.
 
     `calibration` yields input batches (transformed like validation images, at the export's input size), or is a
-    function returning them, called after the cheap checks; `calibration_source` says where they came from
-    (config.json records it).
+    function of the export's data config (config.json's `data_config`: timm's input size, mean/std, interpolation,
+    crop) returning them, called once the float model has passed its checks; `calibration_source` says where they
+    came from (config.json records it).
     `keep_float`: module names whose layers stay in float (None: the stem and the classifier; see
     `lkcnn.deploy.quantize.default_float_layers`).
     Raises ExportError / QuantizeError / CheckpointError with a one-line message; nothing is written then.
@@ -131,12 +132,11 @@ def export_quantized(
         if precision == "fp8" and not importlib.util.find_spec("onnxruntime"):
             raise ExportError("FP8 ONNX is not written: it is only written once onnxruntime has run it, and "
                               "onnxruntime is not installed (pip install 'lkcnn[onnx]'), or drop --onnx.")
-    batches = list(calibration() if callable(calibration) else calibration)
+    float_model, float_config = deployed_from_checkpoint(checkpoint, model_name, overrides, ema, input_size, rtol)
+    batches = list(calibration(float_config["data_config"]) if callable(calibration) else calibration)
     if not batches or not sum(len(x) for x in batches):
         raise ExportError(f"no calibration images{f' in {calibration_source}' if calibration_source else ''}; "
                           "pass a data config with training images, e.g. --calibrate data=digits.")
-
-    float_model, float_config = deployed_from_checkpoint(checkpoint, model_name, overrides, ema, input_size, rtol)
     check_calibration_size(batches, float_config["data_config"]["input_size"][1:], calibration_source)
     quantized = quantize(float_model, batches, precision, observer, percentile, keep_float)
     agreement, images = top1_agreement(float_model, quantized, batches)
