@@ -166,10 +166,17 @@ def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
 
     monkeypatch.setattr(e2e, "run_variant", fake_run_variant)
     variants = {"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {}), "net: c": ("net", "cuda3", {})}
+    saved = []  # main's --json record, rewritten after each variant from what has been measured so far
+    monkeypatch.setattr(e2e, "make_record", lambda kind, device, command, method, rows: rows)
+    monkeypatch.setattr(e2e.timm, "create_model", lambda *a, **k: torch.nn.Linear(2, 2))
+    args = argparse.Namespace(batch=2, compile="reduce-overhead", channels_last=True, cuda_graph=False, inductor={})
     with pytest.raises(RuntimeError, match="third variant"):
-        e2e.measure(variants, 1, batch=2, steps=1, warmup=1)
+        e2e.measure(variants, 1, batch=2, steps=1, warmup=1,
+                    on_variant=lambda s, f: saved.append(e2e.record(s, f, variants, args, [])))
     err = [line.split("]: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
     assert err == ["net: a: 1200.0 images/s, first step 95.0 s", "net: b: 300.0 images/s, first step 4.2 s"]
+    assert [[(row["variant"], row["images_per_s"], row["ratio_to_first"]) for row in rows] for rows in saved] == \
+        [[("a", 1200.0, 1.0)], [("a", 1200.0, 1.0), ("b", 300.0, 0.25)]]
     speeds = iter([(1200.0, 95.0), (300.0, 4.25)])
     samples, first_steps = e2e.measure({"net: a": ("net", "auto", {}), "net: b": ("net", "torch", {})}, 1,
                                        batch=2, steps=1, warmup=1)

@@ -56,6 +56,7 @@ VARIANTS = {  # --runs key: (label, conv implementation, model keywords)
     "torch3": ("PyTorch conv, 3x3, no small branch", "torch", SMALL),
 }
 Job = tuple[str, str, dict[str, Any]]  # (timm name, conv implementation[:flag...], model keywords)
+Samples = dict[str, list[float]]  # by variant label: one value per round
 
 
 # ----------------------------------------------------------------------------------------------- one variant
@@ -284,12 +285,13 @@ def jobs(models: Sequence[str], runs: Sequence[str]) -> dict[str, Job]:
     return out
 
 
-def measure(variants: dict[str, Job], repeat: int,
-            **common) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def measure(variants: dict[str, Job], repeat: int, on_variant: Callable[[Samples, Samples], None] | None = None,
+            **common) -> tuple[Samples, Samples]:
     """images/s of every variant and its first steps' seconds, `repeat` rounds of all variants in turn: single runs
-    of one variant spread by 20% and more between calls, so a ratio is read from medians of interleaved runs."""
-    samples: dict[str, list[float]] = {label: [] for label in variants}
-    first_steps: dict[str, list[float]] = {label: [] for label in variants}
+    of one variant spread by 20% and more between calls, so a ratio is read from medians of interleaved runs.
+    `on_variant(samples, first_steps)` runs after each variant, with what has been measured so far."""
+    samples: Samples = {label: [] for label in variants}
+    first_steps: Samples = {label: [] for label in variants}
     for _ in range(repeat):
         for label, (model, impl, kwargs) in variants.items():
             ips, first_s = run_variant(model, impl, **common, **kwargs)
@@ -297,6 +299,8 @@ def measure(variants: dict[str, Job], repeat: int,
             first_steps[label].append(first_s)
             # printed as it finishes: kept if a later variant fails
             _progress(label, {"images_per_s": ips, "first_step_s": first_s})
+            if on_variant:
+                on_variant(samples, first_steps)
     return samples, first_steps
 
 
@@ -380,12 +384,12 @@ def regime(args: argparse.Namespace) -> str:
     return ", ".join(modes) or "eager"
 
 
-def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+def medians(samples: Samples) -> dict[str, float]:
     """Each variant's median images/s over its rounds."""
     return {label: statistics.median(values) for label, values in samples.items()}
 
 
-def table(samples: dict[str, list[float]], first_steps: dict[str, list[float]], args: argparse.Namespace) -> str:
+def table(samples: Samples, first_steps: Samples, args: argparse.Namespace) -> str:
     """The printed result: one line per variant, its median images/s, its ratio to the first variant's and its
     first steps' seconds (a compiled variant's compile)."""
     ips_by_label = medians(samples)
@@ -398,11 +402,11 @@ def table(samples: dict[str, list[float]], first_steps: dict[str, list[float]], 
     return "\n".join(lines)
 
 
-def record(samples: dict[str, list[float]], first_steps: dict[str, list[float]], variants: dict[str, Job],
+def record(samples: Samples, first_steps: Samples, variants: dict[str, Job],
            args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    """The `train_e2e` benchmark record: one row per variant (network, variant, median images/s, ratio, runs, the
-    runs' first steps in seconds)."""
-    ips_by_label = medians(samples)
+    """The `train_e2e` benchmark record: one row per variant measured so far (network, variant, median images/s,
+    ratio, runs, the runs' first steps in seconds)."""
+    ips_by_label = medians({label: values for label, values in samples.items() if values})
     first = next(iter(ips_by_label.values()))
     settings = {}  # per network: its class's settings (the variants' kwargs do not change the class)
     if args.compile:
@@ -493,8 +497,10 @@ def main(argv: Sequence[str]) -> None:
             print(f"== {label}")
             print(kernel_profile(model, impl, **common, **kwargs))
         return
-    samples, first_steps = measure(variants, args.repeat, **common)
+    def save(samples: Samples, first_steps: Samples) -> None:  # after each variant: a run stopped by a GPU call's
+        write_record(args.json, record(samples, first_steps, variants, args, argv))  # time limit keeps its rows
+
+    samples, first_steps = measure(variants, args.repeat, on_variant=save if args.json else None, **common)
     print(table(samples, first_steps, args))
     if args.json:
-        write_record(args.json, record(samples, first_steps, variants, args, argv))
         print(f"wrote {args.json}")
