@@ -5,8 +5,9 @@ SOURCE is an export folder (float or 8-bit: `lkcnn.load_deployed`) or a checkpoi
 the way the exporter does it). Prints `top1=... top5=... images/s=...`; images/s counts the model's time only
 (CUDA events around each call on a GPU, the first batch left out as warm-up), not the loading of the images. On a GPU
 an 8-bit export runs as deployed, its GEMMs and large kernels in 8 bits (`lkcnn.deploy.gemm8`); on the CPU, and for
-FP8 on a GPU without FP8 tensor cores, it runs its fake-quant reference. Images of another size than the model's input
-size are evaluated with a warning.
+FP8 on a GPU without FP8 tensor cores, it runs its fake-quant reference. The images are preprocessed as the model was
+trained (its data config: size, mean/std, interpolation, crop), the command line's data.* settings winning; another
+size than the model's is evaluated with a warning.
 
 This module also turns a data config into calibration batches for the 8-bit exporter: data configs are the training
 app's (Hydra, lkcnn.training), a layer above lkcnn.deploy.
@@ -188,8 +189,8 @@ def resolution_warning(source: Path, config: dict[str, Any], img_size: int) -> s
     height, width = size
     origin = source / CONFIG_FILE if source.is_dir() else "its training run's data.img_size, else the model's " \
         "pretrained_cfg"
-    hint = f": pass data.img_size={height}, unless that is what you mean (e.g. a FixRes test resolution)" \
-        if height == width else " (the data configs give square images)"
+    hint = f": leave data.img_size out (the model's {height} is the default), unless that is what you mean (e.g. a " \
+        "FixRes test resolution)" if height == width else " (the data configs give square images)"
     return (f"the images are {img_size}x{img_size} (data.img_size={img_size}) but the model's input size is "
             f"{height}x{width} ({origin}); accuracy at another resolution differs{hint}.")
 

@@ -477,7 +477,7 @@ def test_calibration_images_of_another_size_than_the_export_are_refused(run_at_3
     one_line_error(capsys, export_main, argv,
                    r"^lkcnn-export: error: --calibrate data=digits data.img_size=48 gives 48x48 images but the "
                    r"export's input size is 32x32 \(--input-size, else the training run's data.img_size, else the "
-                   r"model's pretrained_cfg\): calibrate at it with data.img_size=32 in --calibrate, or export at "
+                   r"model's pretrained_cfg\): leave data.img_size out of --calibrate \(the export's 32 is the default\), or export at "
                    r"48x48 with --input-size 48 48\. Nothing was written\.$")
     assert not out.exists()
     assert export_main([*argv, "--input-size", "48", "48"]) == 0
@@ -496,8 +496,9 @@ def test_evaluate_warns_of_another_resolution_than_the_models(run_at_32px, tmp_p
                               "--limit-batches", "1"]) == 0
         out, err = capsys.readouterr()
         assert re.fullmatch(rf"lkcnn-evaluate: warning: the images are 48x48 \(data.img_size=48\) but the model's "
-                            rf"input size is 32x32 \({origin}\); accuracy at another resolution differs: pass "
-                            r"data.img_size=32, unless that is what you mean \(e.g. a FixRes test resolution\)\.\n",
+                            rf"input size is 32x32 \({origin}\); accuracy at another resolution differs: leave "
+                            r"data.img_size out \(the model's 32 is the default\), unless that is what you mean \(e.g. "
+                            r"a FixRes test resolution\)\.\n",
                             err), err
         assert re.match(r"top1=.* \(64 images, data=digits data.img_size=48, fp32, cpu\)$", out.strip()), out
         assert evaluate_main([str(source), "data=digits", "--device", "cpu", "--limit-batches", "1"]) == 0

@@ -69,7 +69,8 @@ def check_calibration_size(batches: Sequence[Tensor], input_size: Sequence[int],
     other = next((tuple(x.shape[-2:]) for x in batches if tuple(x.shape[-2:]) != expected), None)
     if other is not None:
         (h, w), (height, width) = other, expected
-        at_it = f"calibrate at it with data.img_size={height} in --calibrate, or " if height == width else ""
+        at_it = f"leave data.img_size out of --calibrate (the export's {height} is the default), or " \
+            if height == width else ""
         raise ExportError(f"{f'--calibrate {source}' if source else 'the calibration data'} gives {h}x{w} images but "
                           f"the export's input size is {height}x{width} (--input-size, else the training run's "
                           f"data.img_size, else the model's pretrained_cfg): {at_it}export at {h}x{w} with "
