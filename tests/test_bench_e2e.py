@@ -79,8 +79,15 @@ def test_compare_rows_carry_ratios_to_the_peer_and_the_3x3_twin(monkeypatch, cap
                 "gpu_ms_by_category": {"GEMM (1x1 convs, head)": 10.0, **({} if twin else {"optimizer": 1.0})}}
 
     monkeypatch.setattr(e2e, "step_report", fake_report)
-    rows = e2e.compare(["replknet31b"], "convnext_base", batch=64, steps=2, warmup=1, compile="reduce-overhead")
+    saved = []  # --json's record, rewritten after each network: a run stopped at a time limit keeps its rows
+    rows = e2e.compare(["replknet31b"], "convnext_base", batch=64, steps=2, warmup=1, compile="reduce-overhead",
+                       on_rows=lambda rows: saved.append([(r["network"], r["ratio_to_convnext_base"],
+                                                           r.get("ratio_to_3x3")) for r in rows]))
     assert [r["network"] for r in rows] == ["replknet31b", "replknet31b 3x3", "convnext_base"]
+    assert saved == [[("convnext_base", 1.0, None)],
+                     [("replknet31b", 0.75, None), ("convnext_base", 1.0, None)],
+                     [("replknet31b", 0.75, pytest.approx(0.8)), ("replknet31b 3x3", 0.9375, None),
+                      ("convnext_base", 1.0, None)]]
     # the peer first: every later progress line has its ratio, also where a time limit stops the run
     # the twin under the default dispatch too: its FFN's BatchNorm + GELU on lkcnn's kernels like the network's
     assert calls == [("convnext_base", "torch", False, True, "reduce-overhead"),

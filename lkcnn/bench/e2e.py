@@ -304,19 +304,23 @@ def measure(variants: dict[str, Job], repeat: int, on_variant: Callable[[Samples
     return samples, first_steps
 
 
-def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
+def compare(models: Sequence[str], peer: str, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
+            **common) -> list[dict[str, Any]]:
     """`--compare`: one row each for `models` under the default dispatch, RepLKNet's 3x3 twin and `peer`, in that
     order, with images/s, the ratio to the peer and to the network's 3x3 twin, and GPU ms per step by category. The
     peer is measured first, so each network's progress line carries its ratio, also in a run stopped partway; a
     line prints once a network is timed, before its profile, and lines at each network's start and after its
-    profile, with the seconds since the run began: where a run that ran out of time spent it."""
+    profile, with the seconds since the run began: where a run that ran out of time spent it. `on_rows` gets the
+    rows measured so far after each network's profile."""
     _log(peer, "building and compiling")
     peer_row = {"network": peer, "model": peer, "variant": "timm",
                 **step_report(peer, "torch", channels_last=True, on_timed=functools.partial(_progress, peer),
                               **common),
                 "norm_floor_gb": norm_floor_gb(timm.create_model(peer), common["batch"])}
     _log(peer, "profiled")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if on_rows:
+        on_rows(_with_ratios(rows, peer_row))
     for model in models:
         for key in ("auto", "auto3"):
             if key == "auto3" and not model.startswith("replknet"):
@@ -331,14 +335,20 @@ def compare(models: Sequence[str], peer: str, **common) -> list[dict[str, Any]]:
                          "norm_floor_gb": norm_floor_gb(net, common["batch"]),
                          "network_inductor_settings": network_settings(net)})
             _log(label, "profiled")
-    rows.append(peer_row)
-    peer_ips = peer_row["images_per_s"]
-    twins = {row["model"]: row["images_per_s"] for row in rows if row["variant"] == "auto3"}
-    for row in rows:
-        row[f"ratio_to_{peer}"] = row["images_per_s"] / peer_ips
+            if on_rows:
+                on_rows(_with_ratios(rows, peer_row))
+    return _with_ratios(rows, peer_row)
+
+
+def _with_ratios(rows: list[dict[str, Any]], peer_row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The networks' rows and the peer's last, each with its ratio to the peer and a network's to its 3x3 twin."""
+    out = [dict(row) for row in (*rows, peer_row)]
+    twins = {row["model"]: row["images_per_s"] for row in out if row["variant"] == "auto3"}
+    for row in out:
+        row[f"ratio_to_{peer_row['network']}"] = row["images_per_s"] / peer_row["images_per_s"]
         if row["variant"] == "auto" and row["model"] in twins:
             row["ratio_to_3x3"] = row["images_per_s"] / twins[row["model"]]
-    return rows
+    return out
 
 
 _STARTED = time.monotonic()
@@ -472,21 +482,24 @@ def main(argv: Sequence[str]) -> None:
         sys.exit("lkcnn-bench e2e: no CUDA device is visible; it times training steps on a GPU")
     if args.compare:
         args.compile, args.channels_last = args.compile or COMPILE_MODE, True
-        rows = compare(args.models, args.compare, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                       compile=args.compile, inductor=args.inductor)
         args.copy_gbps = copy_bandwidth_gbps()
-        print(compare_table(rows, args))
-        if args.json:
-            method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized; categories: "
-                               "torch.profiler kernel times over 5 more steps",
-                      "units": "training images/s (forward, backward, AdamW step); GPU ms per step",
-                      "norm_floor_gb": "least GB of the normalization/activation passes per step, by kind "
-                                       "(lkcnn.bench.e2e.NORM_PASSES)", "copy_gbps": args.copy_gbps,
-                      "batch": args.batch, "regime": regime(args), "dtype": "bf16 autocast",
-                      "lkcnn_inductor_settings": INDUCTOR_SETTINGS,
-                      "order": "the peer first, then each network and its 3x3 twin"}
+        method = {"timer": "time.perf_counter over --steps after --warmup, CUDA synchronized; categories: "
+                           "torch.profiler kernel times over 5 more steps",
+                  "units": "training images/s (forward, backward, AdamW step); GPU ms per step",
+                  "norm_floor_gb": "least GB of the normalization/activation passes per step, by kind "
+                                   "(lkcnn.bench.e2e.NORM_PASSES)", "copy_gbps": args.copy_gbps,
+                  "batch": args.batch, "regime": regime(args), "dtype": "bf16 autocast",
+                  "lkcnn_inductor_settings": INDUCTOR_SETTINGS,
+                  "order": "the peer first, then each network and its 3x3 twin"}
+
+        def save(rows: list[dict[str, Any]]) -> None:  # after each network: kept by a run stopped at a time limit
             write_record(args.json, make_record("train_e2e_compare", torch.device("cuda"),
                                                 command_line(["e2e", *argv]), method, rows))
+
+        rows = compare(args.models, args.compare, on_rows=save if args.json else None, batch=args.batch,
+                       steps=args.steps, warmup=args.warmup, compile=args.compile, inductor=args.inductor)
+        print(compare_table(rows, args))
+        if args.json:
             print(f"wrote {args.json}")
         return
     variants = jobs(args.models, args.runs)
