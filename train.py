@@ -34,6 +34,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             raise ConfigError(f"{key}={value!r} must be a whole number of at least {least}"
                               + (" (or null: one thread per core on the CPU)" if key == "cpu_threads" else ""))
     on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") != "cpu"
+    if cfg.trainer.get("sync_batchnorm") and not on_gpu:  # else DDP refuses it after the processes have started
+        raise ConfigError("trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): on "
+                          "the CPU add trainer.sync_batchnorm=false")
     threads = cfg.cpu_threads or (1 if on_gpu else None)  # null: one per core on the CPU, 1 beside a GPU
     if threads:
         torch.set_num_threads(threads)

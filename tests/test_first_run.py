@@ -186,6 +186,8 @@ def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_setting
     ("seed=abc", "seed='abc' must be a whole number of at least 0"),
     ("+data.transform.interpolation=bicubc", "data.transform: KeyError 'bicubc' from timm's create_transform"),
     ("+model.checkpoint_path=/no/such/weights.pth", "checkpoint_path=/no/such/weights.pth is not a file"),
+    ("trainer=ddp", "trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): on the CPU "
+                    "add trainer.sync_batchnorm=false"),  # TINY trains on the CPU
 ])
 def test_values_that_timm_torch_or_lightning_reject_are_one_line_errors(tmp_path, override, said):
     assert said in user_error(make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=1", override))
