@@ -17,11 +17,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning as L
     import torch
     from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-    from lkcnn.training import ConfigError, SyncBatchNormPlugin, resolve_ckpt_path
+    from lkcnn.errors import first_line
+    from lkcnn.training import ConfigError, SyncBatchNormPlugin, resolve_ckpt_path, user_error_message
     from lkcnn.training.callbacks.run_summary import RunSummary
     from lkcnn.training.console import quiet_known_noise
     from lkcnn.training.resume import check_resume_config, claim_run_dir, resume_note
@@ -60,7 +62,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # sync_batchnorm: lkcnn's SyncBatchNorm, which (unlike torch.nn.SyncBatchNorm) does not stall the CPU per layer
     plugins = {"plugins": [SyncBatchNormPlugin()]} if cfg.trainer.get("sync_batchnorm") else {}
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
+    try:
+        trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **plugins)
+    except InstantiationException as err:  # Lightning's check of a value or keyword (its Misconfigurations pass)
+        if not isinstance(err.__cause__, (TypeError, ValueError)) or user_error_message(err) is not None:
+            raise
+        raise ConfigError(f"trainer: {first_line(err.__cause__)} (check the trainer.* settings)") from None
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     # trainer.limit_val_batches=0 (a training-speed run) validates nothing: no metrics, not an error

@@ -186,6 +186,9 @@ def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_setting
     ("seed=abc", "seed='abc' must be a whole number of at least 0"),
     ("+data.transform.interpolation=bicubc", "data.transform: KeyError 'bicubc' from timm's create_transform"),
     ("+model.checkpoint_path=/no/such/weights.pth", "checkpoint_path=/no/such/weights.pth is not a file"),
+    ("trainer.precision=bogus", "trainer: Precision 'bogus' is invalid. Allowed precision values:"),
+    ("+trainer.bogus_key=1", "unexpected keyword argument 'bogus_key' (check the trainer.* settings)"),
+    ("module.channels_last=maybe", "module.channels_last='maybe' must be true or false"),
     ("trainer=ddp", "trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): on the CPU "
                     "add trainer.sync_batchnorm=false"),  # TINY trains on the CPU
 ])

@@ -85,6 +85,9 @@ class ClassificationModule(L.LightningModule):
                  sync_bn_exchange_timeout_s: float = DEFAULT_EXCHANGE_TIMEOUT_S) -> None:
         super().__init__()
         self.save_hyperparameters()
+        for key, value in (("channels_last", channels_last), ("grad_checkpointing", grad_checkpointing)):
+            if not isinstance(value, bool):  # a string such as 'maybe' would count as true
+                raise ConfigError(f"module.{key}={value!r} must be true or false")
         try:  # the config's mistakes fail here, not after the processes have started
             use_nvlink_exchange(sync_bn_exchange, compiled=False, world_size=1, num_nodes=1, device_type="cpu")
         except ValueError as err:
