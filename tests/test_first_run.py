@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lkcnn  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.deploy.checkpoint import read_checkpoint
+from lkcnn.models import build_model
 from lkcnn.training import ConfigError, resolve_ckpt_path
 from lkcnn.training.callbacks.run_summary import stage_kernels
 from lkcnn.training.configs import command_line_error
@@ -228,6 +229,28 @@ def test_bad_checkpoint_files_are_one_line_errors(tmp_path):
     torch.save(read_checkpoint(last).state_dict, weights)
     plain = user_error(make_cfg(tmp_path / "d", tmp_path, f"ckpt_path={weights}"))
     assert "is not a checkpoint written by train.py" in plain and f"+model.checkpoint_path={weights}" in plain
+
+
+def test_a_runs_checkpoint_starts_another_run_and_loads_through_timm(tmp_path):
+    """+model.checkpoint_path=<a train.py checkpoint> ended in load_state_dict's report of every key, and timm's
+    pretrained=True path refused the file: timm hands over the LightningModule's state_dict, the net's weights beside
+    their EMA copy's. Both load the net's weights now; one that does not fit is one line."""
+    train_app.train(make_cfg(tmp_path / "a", tmp_path, "trainer.max_steps=2", "trainer.limit_val_batches=0"))
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    checkpoint = read_checkpoint(last)
+    assert any(k.startswith("model_ema.") for k in torch.load(last, weights_only=False)["state_dict"])
+
+    def loaded(model: torch.nn.Module) -> bool:
+        return all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint.state_dict.items())
+    overlay = dict(file=str(last), num_classes=checkpoint.spec["kwargs"]["num_classes"])
+    assert loaded(timm.create_model(checkpoint.spec["name"], pretrained=True, pretrained_cfg_overlay=overlay,
+                                    **checkpoint.spec["kwargs"]))
+    assert loaded(build_model(checkpoint.spec, checkpoint_path=str(last)))
+    train_app.train(make_cfg(tmp_path / "b", tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0",
+                             f"+model.checkpoint_path={last}"))
+    message = user_error(make_cfg(tmp_path / "c", tmp_path, "model.kernel_sizes=[13,13,13,13]",
+                                  f"+model.checkpoint_path={last}"))
+    assert f"checkpoint_path={last}: checkpoint tensor" in message and "the model expects" in message
 
 
 def test_cli_mismatched_checkpoint_exits_with_one_line(tmp_path):

@@ -29,27 +29,33 @@ def select_weights(checkpoint: Mapping[str, object], ema: bool = False) -> tuple
     """
     state_dict = dict(checkpoint)
     if "pytorch-lightning_version" in state_dict and isinstance(state_dict.get("state_dict"), Mapping):
-        prefix = LIGHTNING_EMA_PREFIX if ema else LIGHTNING_PREFIX
-        weights = {k[len(prefix):]: v for k, v in state_dict["state_dict"].items() if k.startswith(prefix)}
-        if not weights:
-            raise ValueError(f"has no {'EMA' if ema else 'model'} weights (no keys starting with '{prefix}')")
-        return "lightning", clean_state_dict(weights)
+        return "lightning", _module_weights(state_dict["state_dict"], ema)
     kind, keys = "state_dict", EMA_WRAPPER_KEYS if ema else WRAPPER_KEYS
     while not any(isinstance(v, torch.Tensor) for v in state_dict.values()):
         key = next((k for k in keys if isinstance(state_dict.get(k), Mapping)), None)
         if key is None:
             break
         kind, state_dict = "wrapped", dict(state_dict[key])
+    cleaned = clean_state_dict(state_dict)
+    if cleaned and all(k.startswith((LIGHTNING_PREFIX, LIGHTNING_EMA_PREFIX)) for k in cleaned):
+        # a LightningModule's state_dict alone: timm's loaders hand over a train.py checkpoint's `state_dict` so
+        return "lightning", _module_weights(cleaned, ema)
     if ema and kind != "wrapped":
         raise ValueError(f"has no EMA weights (none of {', '.join(EMA_WRAPPER_KEYS)})")
     bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise ValueError(f"is not a state_dict: entry '{bad[0]}' is a {type(state_dict[bad[0]]).__name__}, not a "
                          f"tensor (top-level keys: {sorted(state_dict)[:10]})")
-    state_dict = clean_state_dict(state_dict)
-    if state_dict and all(k.startswith(LIGHTNING_PREFIX) for k in state_dict):
-        state_dict = {k[len(LIGHTNING_PREFIX):]: v for k, v in state_dict.items()}
-    return kind, state_dict
+    return kind, cleaned
+
+
+def _module_weights(state_dict: Mapping[str, object], ema: bool) -> dict[str, torch.Tensor]:
+    """The net in a LightningModule's state_dict: its `model.*` weights, or with `ema` its EMA copy's."""
+    prefix = LIGHTNING_EMA_PREFIX if ema else LIGHTNING_PREFIX
+    weights = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not weights:
+        raise ValueError(f"has no {'EMA' if ema else 'model'} weights (no keys starting with '{prefix}')")
+    return clean_state_dict(weights)
 
 
 def unwrap_state_dict(checkpoint: Mapping[str, object]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import timm
+import torch
 import torch.nn as nn
 import yaml
 from timm.models import build_model_with_cfg, model_entrypoint
@@ -57,7 +58,12 @@ class UnknownModelError(ModelError):
 
 def list_models() -> list[str]:
     """Names of the timm models that lkcnn registers: the one list of lkcnn's models."""
-    return [n for n in timm.list_models() if model_entrypoint(n).__module__.startswith(__package__)]
+    return [n for n in timm.list_models() if is_lkcnn_model(n)]
+
+
+def is_lkcnn_model(name: str) -> bool:
+    """Whether the timm model `name` (a registered one) is lkcnn's."""
+    return model_entrypoint(name).__module__.startswith(__package__)
 
 
 def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.Module:
@@ -83,6 +89,23 @@ def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.M
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
         raise ModelError(f"model {name!r}: drop_path_rate={rate!r} must be a number in [0, 1) (the stochastic depth "
                          "of the last block)")
+    if not (path and is_lkcnn_model(name)):
+        return _create(name, kwargs)
+    # timm's checkpoint_path loads a file's state_dict as it is; lkcnn's models load it through their pretrained
+    # filter (a train.py checkpoint, official and timm layouts, training form into deploy=True: docs/models.md)
+    architecture = {k: v for k, v in kwargs.items() if k != "checkpoint_path"}
+    with torch.device("meta"):  # the architecture's own mistakes first, without building weights
+        _create(name, architecture)
+    overlay = {"file": str(path), **{k: kwargs[k] for k in ("num_classes", "in_chans") if k in kwargs}}
+    try:
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **architecture)
+    except (ValueError, RuntimeError) as err:  # the filter's check, or load_state_dict's shapes
+        raise ModelError(f"model {name!r}: checkpoint_path={path}: {first_line(err)}") from None
+    return model
+
+
+def _create(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """timm.create_model with build_model's one-line error and rebuild spec."""
     try:
         model = timm.create_model(name, **kwargs)
     except (TypeError, ValueError) as err:  # an unknown keyword or a value the architecture rejects
