@@ -303,6 +303,8 @@ def test_config_values_that_cannot_run_are_one_line_errors(tmp_path):
     (["model=replknet31b", "model.kernel_size=[3,3,3,3]"], "did you mean model.kernel_sizes"),
     (["model=replknet_tinyy"], "model=replknet_tinyy is not one of the model configs"),
     (["+experiment=replknet31b_in1k"], "experiment already has a config: choose another with experiment=..."),
+    (["-m", "model.kernel_szes=[7,7,7,7],[13,13,13,13]"], "did you mean model.kernel_sizes"),  # a sweep's first value
+    (["--multirun", "data=digitz,synthetic"], "data=digitz is not one of the data configs"),
 ])
 def test_misspelled_overrides_are_named_with_the_closest_names(overrides, message):
     error = command_line_error(overrides)

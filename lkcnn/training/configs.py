@@ -36,8 +36,9 @@ def compose_checked(overrides: Sequence[str]) -> Any:
 
 def command_line_error(args: Sequence[str]) -> str | None:
     """One line, with the closest names, for train.py overrides that cannot compose (a misspelled key, a config option
-    that does not exist); None when they compose, and for command lines left to Hydra (its flags, multirun sweeps,
-    errors of other kinds). Hydra's own report of these spans several lines and offers `+key=value` for a typo."""
+    that does not exist), also in a multirun (`-m`: each sweep's first value stands for it); None when they compose,
+    and for command lines left to Hydra (its other flags, errors of other kinds). Hydra's own report of these spans
+    several lines and offers `+key=value` for a typo."""
     import difflib
     import re
 
@@ -45,11 +46,13 @@ def command_line_error(args: Sequence[str]) -> str | None:
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf import DictConfig, OmegaConf
 
-    if any(arg.startswith("-") for arg in args):
+    if any(arg.startswith("-") and arg not in ("-m", "--multirun") for arg in args):
         return None
     try:
-        if any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(list(args))):
-            return None
+        # a sweep composes one job per value: its first shows a misspelled key or option as well as any
+        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+        args = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+                else o.input_line for o in overrides]
         compose_train(args)
         return None
     except MissingConfigException as err:  # "Could not find 'model/replknet_tinyy'"
