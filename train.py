@@ -78,9 +78,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> Any:
     from lkcnn.training.errors import exit_on_user_error
+    from lkcnn.training.resume import remove_unused_run_dirs
 
-    with exit_on_user_error():
-        return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
+    try:
+        with exit_on_user_error():
+            return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
+    except SystemExit:  # a config mistake: the folder made for the run holds nothing but Hydra's files
+        remove_unused_run_dirs()
+        raise
 
 
 if __name__ == "__main__":

@@ -153,6 +153,17 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     assert not (tmp_path / "rank1").exists()
 
 
+def test_a_config_mistake_leaves_no_run_folder_behind(tmp_path):
+    """Hydra makes the run's folder before the run starts: a run stopped by a config value left one holding only
+    Hydra's files, one per attempt. A folder the user named stays."""
+    result = run_cli(f"paths.runs_dir={tmp_path / 'runs'}", "data.img_size=0")
+    assert result.returncode == 1 and result.stderr.strip().endswith("data.img_size=0 must be a positive number of "
+                                                                     "pixels: set e.g. data.img_size=224")
+    assert not [p for p in (tmp_path / "runs").rglob("*") if not p.is_dir()]
+    named = run_cli(f"hydra.run.dir={tmp_path / 'named'}", "data.img_size=0")
+    assert named.returncode == 1 and (tmp_path / "named" / ".hydra" / "config.yaml").is_file()
+
+
 def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_settings_are_named(tmp_path):
     """Lightning restores EMA weights, optimizer state and schedule as they were: EMA turned off, another optimizer
     or weight decay turned off would end in a load_state_dict traceback, and a new lr would be silently ignored."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,7 @@ def check_resume_config(ckpt_path: str | None, config: dict[str, Any]) -> list[s
 
 
 RUN_MARKER = ".lkcnn-run"  # created (exclusively) by each run in its folder: two runs never share one
+HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before the run starts
 _unused: dict[str, str] = {}  # unused_run_dir's answers: Hydra and Lightning resolve the run folder more than once
 
 
@@ -152,6 +154,14 @@ def unused_run_dir(path: str) -> str:
             _unused[path] = str(folder)
             break
     return _unused[path]
+
+
+def remove_unused_run_dirs() -> None:
+    """Remove the folders unused_run_dir made in this process that hold nothing but Hydra's files and this run's
+    marker: a run stopped by a config mistake leaves no folder behind (a folder a user named is never removed)."""
+    for folder in map(Path, _unused.values()):
+        if folder.is_dir() and {p.name for p in folder.iterdir()} <= HYDRA_FILES | {RUN_MARKER}:
+            shutil.rmtree(folder)
 
 
 def _resumes_in(folder: Path, ckpt_path: str | None) -> bool:
