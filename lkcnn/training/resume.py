@@ -162,6 +162,10 @@ def remove_unused_run_dirs() -> None:
     for folder in map(Path, _unused.values()):
         if folder.is_dir() and {p.name for p in folder.iterdir()} <= HYDRA_FILES | {RUN_MARKER}:
             shutil.rmtree(folder)
+            try:  # and its <date> folder, where this was the day's only run
+                folder.parent.rmdir()
+            except OSError:  # not empty
+                pass
 
 
 def _resumes_in(folder: Path, ckpt_path: str | None) -> bool:
