@@ -36,9 +36,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
             raise ConfigError(f"{key}={value!r} must be a whole number of at least {least}"
                               + (" (or null: one thread per core on the CPU)" if key == "cpu_threads" else ""))
     on_gpu = torch.cuda.is_available() and cfg.trainer.get("accelerator") != "cpu"
-    if cfg.trainer.get("sync_batchnorm") and not on_gpu:  # else DDP refuses it after the processes have started
-        raise ConfigError("trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): on "
-                          "the CPU add trainer.sync_batchnorm=false")
+    distributed = cfg.trainer.get("strategy") is not None or cfg.trainer.get("num_nodes", 1) != 1 \
+        or cfg.trainer.get("devices") not in (None, 1, "1", "auto")
+    if cfg.trainer.get("sync_batchnorm") and distributed and not on_gpu:  # DDP refuses it once the ranks have started
+        raise ConfigError("trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): for "
+                          "DDP on the CPU (gloo) add trainer.accelerator=cpu trainer.devices=2 "
+                          "trainer.sync_batchnorm=false")
     threads = cfg.cpu_threads or (1 if on_gpu else None)  # null: one per core on the CPU, 1 beside a GPU
     if threads:
         torch.set_num_threads(threads)
@@ -83,8 +86,9 @@ def main(cfg: DictConfig) -> Any:
     try:
         with exit_on_user_error():
             return train(cfg).get("val/acc1")  # the value a Hydra sweeper optimizes
-    except SystemExit:  # a config mistake: the folder made for the run holds nothing but Hydra's files
-        remove_unused_run_dirs()
+    except SystemExit as exited:  # a config mistake: the folder made for the run holds nothing but Hydra's files
+        if str(exited.code).startswith("Error: "):  # exit_on_user_error's, not an interrupt's
+            remove_unused_run_dirs()
         raise
 
 
@@ -104,7 +108,9 @@ if __name__ == "__main__":
 
     from lkcnn.training.resume import other_run, unused_run_dir
 
-    OmegaConf.register_new_resolver("lkcnn.unused_dir", unused_run_dir, replace=True)  # conf/train.yaml's run folder
+    # conf/train.yaml's run folder, made when a run starts (not for Hydra's --cfg, --info or --help)
+    runs = not {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help"} & set(sys.argv[1:])
+    OmegaConf.register_new_resolver("lkcnn.unused_dir", unused_run_dir if runs else str, replace=True)
     # hydra.run.dir=<another run's folder>: refused before Hydra writes its .hydra/ files there (train() checks again,
     # for runs whose folder comes from elsewhere). Lightning starts a DDP run's other ranks with rank 0's folder.
     given = dict(arg.split("=", 1) for arg in sys.argv[1:] if arg.startswith(("hydra.run.dir=", "ckpt_path=")))

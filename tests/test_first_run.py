@@ -14,12 +14,11 @@ import timm
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lkcnn  # noqa: F401  (registers lkcnn's models with timm)
 from lkcnn.deploy.checkpoint import read_checkpoint
-from lkcnn.models import build_model
+from lkcnn.models import ModelError, build_model
 from lkcnn.training import ConfigError, resolve_ckpt_path
 from lkcnn.training.callbacks.run_summary import stage_kernels
 from lkcnn.training.configs import command_line_error
@@ -148,9 +147,8 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     (tmp_path / "taken").mkdir()
     assert unused_run_dir(str(tmp_path / "taken")) == f"{tmp_path}/taken_1" and (tmp_path / "taken_1").is_dir()
     assert unused_run_dir(str(tmp_path / "taken")) == f"{tmp_path}/taken_1"  # Hydra resolves it more than once
-    monkeypatch.setattr(rank_zero_only, "rank", 1)
-    assert unused_run_dir(str(tmp_path / "rank1")) == str(tmp_path / "rank1")  # DDP ranks take rank 0's folder
-    assert not (tmp_path / "rank1").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks, each running the command: they share one folder
+    assert unused_run_dir(str(tmp_path / "taken")) == str(tmp_path / "taken")
 
 
 def test_a_config_mistake_leaves_no_run_folder_behind(tmp_path):
@@ -159,6 +157,9 @@ def test_a_config_mistake_leaves_no_run_folder_behind(tmp_path):
     result = run_cli(f"paths.runs_dir={tmp_path / 'runs'}", "data.img_size=0")
     assert result.returncode == 1 and result.stderr.strip().endswith("data.img_size=0 must be a positive number of "
                                                                      "pixels: set e.g. data.img_size=224")
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    printed = run_cli(f"paths.runs_dir={tmp_path / 'runs'}", "--cfg", "all", "--resolve")  # prints, runs nothing
+    assert printed.returncode == 0 and f"dir: {tmp_path / 'runs'}/" in printed.stdout
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
     named = run_cli(f"hydra.run.dir={tmp_path / 'named'}", "data.img_size=0")
     assert named.returncode == 1 and (tmp_path / "named" / ".hydra" / "config.yaml").is_file()
@@ -201,8 +202,8 @@ def test_a_resume_that_changed_the_training_state_is_refused_and_ignored_setting
     ("trainer.precision=bogus", "trainer: Precision 'bogus' is invalid. Allowed precision values:"),
     ("+trainer.bogus_key=1", "unexpected keyword argument 'bogus_key' (check the trainer.* settings)"),
     ("module.channels_last=maybe", "module.channels_last='maybe' must be true or false"),
-    ("trainer=ddp", "trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): on the CPU "
-                    "add trainer.sync_batchnorm=false"),  # TINY trains on the CPU
+    ("trainer=ddp", "trainer.sync_batchnorm=true needs GPUs (DDP runs SyncBatchNorm on CUDA tensors only): for DDP "
+                    "on the CPU (gloo) add trainer.accelerator=cpu trainer.devices=2 trainer.sync_batchnorm=false"),
 ])
 def test_values_that_timm_torch_or_lightning_reject_are_one_line_errors(tmp_path, override, said):
     assert said in user_error(make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=1", override))
@@ -242,6 +243,13 @@ def test_bad_checkpoint_files_are_one_line_errors(tmp_path):
     assert "is not a checkpoint written by train.py" in plain and f"+model.checkpoint_path={weights}" in plain
 
 
+def test_sync_batchnorm_on_one_cpu_device_trains(tmp_path):
+    """Lightning leaves sync_batchnorm alone without DDP: only a distributed CPU run is refused (above)."""
+    train_app.train(make_cfg(tmp_path / "run", tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0",
+                             "+trainer.sync_batchnorm=true"))
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_a_runs_checkpoint_starts_another_run_and_loads_through_timm(tmp_path):
     """+model.checkpoint_path=<a train.py checkpoint> ended in load_state_dict's report of every key, and timm's
     pretrained=True path refused the file: timm hands over the LightningModule's state_dict, the net's weights beside
@@ -257,6 +265,10 @@ def test_a_runs_checkpoint_starts_another_run_and_loads_through_timm(tmp_path):
     assert loaded(timm.create_model(checkpoint.spec["name"], pretrained=True, pretrained_cfg_overlay=overlay,
                                     **checkpoint.spec["kwargs"]))
     assert loaded(build_model(checkpoint.spec, checkpoint_path=str(last)))
+    assert loaded(build_model(checkpoint.spec, checkpoint_path=str(last), in_chans=3))
+    with pytest.raises(ModelError, match=r"checkpoint_path=.*: its head.weight is \[4, 16\], the model's \[7, 16\] "
+                                         r"\(another number of classes: set model.num_classes to the checkpoint's\)"):
+        build_model(checkpoint.spec, checkpoint_path=str(last), num_classes=7)
     train_app.train(make_cfg(tmp_path / "b", tmp_path, "trainer.max_steps=1", "trainer.limit_val_batches=0",
                              f"+model.checkpoint_path={last}"))
     message = user_error(make_cfg(tmp_path / "c", tmp_path, "model.kernel_sizes=[13,13,13,13]",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -69,10 +70,13 @@ def make_record(kind: str, device: torch.device, command: str, method: dict[str,
 
 
 def write_record(path: str | Path, record: dict[str, Any]) -> None:
-    """Write a record as indented JSON, creating its folder."""
+    """Write a record as indented JSON, creating its folder; all or nothing (a benchmark stopped at a time limit while
+    rewriting its record keeps the last whole one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, path)
 
 
 def load_record(path: str | Path) -> dict[str, Any]:

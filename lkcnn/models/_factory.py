@@ -96,11 +96,16 @@ def build_model(name_or_spec: str | Mapping[str, Any], /, **kwargs: Any) -> nn.M
     architecture = {k: v for k, v in kwargs.items() if k != "checkpoint_path"}
     with torch.device("meta"):  # the architecture's own mistakes first, without building weights
         _create(name, architecture)
-    overlay = {"file": str(path), **{k: kwargs[k] for k in ("num_classes", "in_chans") if k in kwargs}}
+    # the model's own number of classes: timm would otherwise drop a head that fits, as for a pretrained_cfg's 1000
+    overlay = {"file": str(path), **({"num_classes": kwargs["num_classes"]} if "num_classes" in kwargs else {})}
     try:
         model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **architecture)
-    except (ValueError, RuntimeError) as err:  # the filter's check, or load_state_dict's shapes
-        raise ModelError(f"model {name!r}: checkpoint_path={path}: {first_line(err)}") from None
+    except (ValueError, RuntimeError) as err:  # the filter's check, or load_state_dict's shapes (the classifier's)
+        shapes = re.search(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[[^]]*\])\) from "
+                           r"checkpoint, the shape in current model is torch.Size\((\[[^]]*\])\)", str(err))
+        problem = (f"its {shapes[1]} is {shapes[2]}, the model's {shapes[3]} (another number of classes: set "
+                   "model.num_classes to the checkpoint's)") if shapes else first_line(err)
+        raise ModelError(f"model {name!r}: checkpoint_path={path}: {problem}") from None
     return model
 
 

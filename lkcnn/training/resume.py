@@ -131,27 +131,29 @@ def check_resume_config(ckpt_path: str | None, config: dict[str, Any]) -> list[s
 RUN_MARKER = ".lkcnn-run"  # created (exclusively) by each run in its folder: two runs never share one
 HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before the run starts
 _unused: dict[str, str] = {}  # unused_run_dir's answers: Hydra and Lightning resolve the run folder more than once
+_made: list[Path] = []  # the folders it created, absolute (hydra.job.chdir moves the working directory)
 
 
 def unused_run_dir(path: str) -> str:
     """The default run folder (conf/train.yaml's `hydra.run.dir`, `<runs_dir>/<date>/<time>`) made this run's own:
     `path`, or `path_1`, `path_2`, ... where a run that started in the same second (a shell loop of background runs,
     a job array) has it. Without this both would share one folder and the second would write its .hydra/ files over
-    the first's. The folder is created here, exclusively, so runs started at once never get the same one. DDP's other
-    ranks take the path as it is: Lightning passes rank 0's folder to the processes it starts, and torchrun or srun
-    runs pin hydra.run.dir (docs/training_multigpu.md)."""
-    from lightning.pytorch.utilities import rank_zero_only
-
-    if rank_zero_only.rank != 0:
+    the first's. The folder is created here, exclusively, so runs started at once never get the same one. Where a
+    launcher (torchrun, srun) starts every rank with the same command, the ranks share `path` as it is (pin
+    hydra.run.dir there: docs/training_multigpu.md); Lightning's own DDP launcher passes rank 0's folder on."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or int(os.environ.get("SLURM_NTASKS", 1)) > 1:
         return path
-    if path not in _unused:
+    while path not in _unused:
         for n in itertools.count():
             folder = Path(path if n == 0 else f"{path}_{n}")
             try:
                 folder.mkdir(parents=True)
             except FileExistsError:
                 continue
+            except FileNotFoundError:  # its <date> folder was removed meanwhile (remove_unused_run_dirs): again
+                break
             _unused[path] = str(folder)
+            _made.append(folder.absolute())
             break
     return _unused[path]
 
@@ -159,7 +161,7 @@ def unused_run_dir(path: str) -> str:
 def remove_unused_run_dirs() -> None:
     """Remove the folders unused_run_dir made in this process that hold nothing but Hydra's files and this run's
     marker: a run stopped by a config mistake leaves no folder behind (a folder a user named is never removed)."""
-    for folder in map(Path, _unused.values()):
+    for folder in _made:
         if folder.is_dir() and {p.name for p in folder.iterdir()} <= HYDRA_FILES | {RUN_MARKER}:
             shutil.rmtree(folder)
             try:  # and its <date> folder, where this was the day's only run
