@@ -510,6 +510,7 @@ def main(argv: Sequence[str]) -> None:
             print(f"== {label}")
             print(kernel_profile(model, impl, **common, **kwargs))
         return
+
     def save(samples: Samples, first_steps: Samples) -> None:  # after each variant: a run stopped by a GPU call's
         write_record(args.json, record(samples, first_steps, variants, args, argv))  # time limit keeps its rows
 

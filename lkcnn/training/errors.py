@@ -38,7 +38,8 @@ def user_error_message(err: BaseException) -> str | None:
                     "logger.wandb.mode=offline")
         if isinstance(cause, MisconfigurationException):  # Lightning's: a Trainer setting that cannot work here
             hint = (" This machine has no usable GPU: add trainer.accelerator=cpu (with trainer=ddp, also "
-                    "trainer.devices=2 or more and trainer.sync_batchnorm=false for DDP over gloo).") if "gpu backend" in str(cause).lower() else ""
+                    "trainer.devices=2 or more and trainer.sync_batchnorm=false for DDP over gloo).") \
+                if "gpu backend" in str(cause).lower() else ""
             return f"{cause} (check the trainer.* settings){hint}"
         if isinstance(cause, (MissingMandatoryValue, InterpolationToMissingValueError)):
             # the ??? key itself; behind an interpolation only the message names it

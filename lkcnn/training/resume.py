@@ -8,7 +8,6 @@ refused unless the run resumes from it, since Lightning would overwrite them.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import sys
@@ -130,8 +129,9 @@ def check_resume_config(ckpt_path: str | None, config: dict[str, Any]) -> list[s
 
 RUN_MARKER = ".lkcnn-run"  # created (exclusively) by each run in its folder: two runs never share one
 HYDRA_FILES = {".hydra", "train.log"}  # what Hydra writes into a run folder before the run starts
-_unused: dict[str, str] = {}  # unused_run_dir's answers: Hydra and Lightning resolve the run folder more than once
-_made: list[Path] = []  # the folders it created, absolute (hydra.job.chdir moves the working directory)
+# unused_run_dir's folders by the path asked for (Hydra and Lightning resolve the run folder more than once), absolute
+# for remove_unused_run_dirs (hydra.job.chdir moves the working directory)
+_unused: dict[str, Path] = {}
 
 
 def unused_run_dir(path: str) -> str:
@@ -143,25 +143,24 @@ def unused_run_dir(path: str) -> str:
     hydra.run.dir there: docs/training_multigpu.md); Lightning's own DDP launcher passes rank 0's folder on."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 or int(os.environ.get("SLURM_NTASKS", 1)) > 1:
         return path
+    n = 0
     while path not in _unused:
-        for n in itertools.count():
-            folder = Path(path if n == 0 else f"{path}_{n}")
-            try:
-                folder.mkdir(parents=True)
-            except FileExistsError:
-                continue
-            except FileNotFoundError:  # its <date> folder was removed meanwhile (remove_unused_run_dirs): again
-                break
-            _unused[path] = str(folder)
-            _made.append(folder.absolute())
-            break
-    return _unused[path]
+        folder = Path(path if n == 0 else f"{path}_{n}")
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            n += 1
+            continue
+        except FileNotFoundError:  # its <date> folder was removed meanwhile (remove_unused_run_dirs): again
+            continue
+        _unused[path] = folder.absolute()
+    return str(_unused[path])
 
 
 def remove_unused_run_dirs() -> None:
     """Remove the folders unused_run_dir made in this process that hold nothing but Hydra's files and this run's
     marker: a run stopped by a config mistake leaves no folder behind (a folder a user named is never removed)."""
-    for folder in _made:
+    for folder in _unused.values():
         if folder.is_dir() and {p.name for p in folder.iterdir()} <= HYDRA_FILES | {RUN_MARKER}:
             shutil.rmtree(folder)
             try:  # and its <date> folder, where this was the day's only run
