@@ -52,9 +52,12 @@ def test_kernel_path_arithmetic_matches_float64_autograd_and_running_statistics(
     running = [t.clone() for t in running_ref]
     ref = _reference(x, weight, bias, g, running_ref)
     ours = _kernel_path(x, weight, bias, g, running, monkeypatch)
+    # The kernel path computes in float32: centring a channel whose mean is k times its spread loses k float32 ulps
+    # of the spread (seen up to 1.1 k eps over 1000 seeds); sums of x and x^2 would lose k^2 (a 150x larger error).
+    k = (x.mean((0, 2, 3)).abs() / x.std((0, 2, 3))).max().item()
     for name, a, b in zip(["out", "dx", "dweight", "dbias"], ours, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert _rel(a, b) < 1e-5, name  # the kernel path computes in float32
+        assert _rel(a, b) < 4 * torch.finfo(torch.float32).eps * k, name
     assert ours[0].is_contiguous(memory_format=torch.channels_last)
     for a, b in zip(running, running_ref):
         assert _rel(a, b) < 1e-6
