@@ -94,6 +94,15 @@ def test_mse_observer_matches_a_brute_force_search():
         assert error_at(found) <= 1.05 * error_at(best), (fmt.name, found, best)
 
 
+def _assert_torch_fake_quant_agrees(ours, theirs, x, scale):
+    """torch's fake quant multiplies by the reciprocal of the scale where ONNX's QuantizeLinear (ours, onnxruntime's)
+    divides: the two round to neighbouring steps only where x / scale is a float32 rounding away from a tie (seen in 2
+    of 3000 draws)."""
+    differ = ours != theirs
+    assert ((ours - theirs).abs()[differ] <= scale.expand_as(x)[differ] * 1.001).all()
+    assert ((x / scale)[differ].frac().abs() - 0.5).abs().lt(1e-5).all()
+
+
 def test_fake_quant_is_an_exact_int8_and_fp8_round_trip():
     x = torch.randn(4, 8, 5, 5) * 3
     scale = torch.tensor(0.05)
@@ -101,12 +110,14 @@ def test_fake_quant_is_an_exact_int8_and_fp8_round_trip():
     assert q.dtype == torch.int8
     assert torch.equal(q, torch.clamp(torch.round(x / scale), -128, 127).to(torch.int8))  # saturates at 6.4
     assert torch.equal(fake_quantize(x, scale, "int8"), q.float() * scale)
-    assert torch.equal(fake_quantize(x, scale, "int8"),
-                       torch.fake_quantize_per_tensor_affine(x, scale, torch.tensor(0), -128, 127))
+    _assert_torch_fake_quant_agrees(fake_quantize(x, scale, "int8"),
+                                    torch.fake_quantize_per_tensor_affine(x, scale, torch.tensor(0), -128, 127),
+                                    x, scale)
     per_channel = x.abs().amax((0, 2, 3)) / 127  # a scale per channel of axis 1
-    assert torch.equal(fake_quantize(x, per_channel, "int8", 1),
-                       torch.fake_quantize_per_channel_affine(x, per_channel, torch.zeros(8, dtype=torch.int32),
-                                                              1, -128, 127))
+    ours, steps = fake_quantize(x, per_channel, "int8", 1), per_channel[:, None, None]
+    assert torch.equal(ours, torch.clamp(torch.round(x / steps), -128, 127) * steps)
+    _assert_torch_fake_quant_agrees(ours, torch.fake_quantize_per_channel_affine(
+        x, per_channel, torch.zeros(8, dtype=torch.int32), 1, -128, 127), x, steps)
     f8 = fake_quantize(x * 100, scale, "float8_e4m3fn")  # x * 100 / 0.05 reaches beyond 448: saturates, no NaN
     expected = (x * 100 / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
     assert torch.equal(f8, expected) and f8.isfinite().all() and f8.abs().max() == 448 * scale
