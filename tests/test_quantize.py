@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -228,6 +229,9 @@ def test_the_tensorrt_rules_check_fails_on_files_that_break_them(tmp_path):
 
 
 def test_per_tensor_weights_and_the_snr_measurements():
+    # A fixed draw, whatever ran before: on random nets, per-channel weight scales beat one scale at the large kernel's
+    # output in 59 of 60 draws (the error of the layers before it can outweigh its own)
+    torch.manual_seed(0)
     model = reparameterize_model(randomize_bn(timm.create_model("replknet_tiny", num_classes=5,
                                                                 kernel_sizes=[7, 5, 3, 3], small_kernel=3)).eval())
     batches = [torch.randn(4, 3, 32, 32)]
@@ -245,7 +249,9 @@ def test_per_tensor_weights_and_the_snr_measurements():
     assert snr[name] > layer_snr(model, per_tensor, batches)[name]  # one scale for the large kernel's channels
     sensitivity = layer_sensitivity(model, per_channel, batches)
     assert list(sensitivity) == per_channel.lkcnn_quantization["layers"] and type(model.head) is torch.nn.Linear
-    assert all(v > output_snr(model, per_channel, batches) for v in sensitivity.values())  # one layer < all layers
+    # one layer alone against all of them: the median layer 26-40 dB above over 60 draws, where a layer's own error
+    # can exceed the whole network's in 1-2 of 31 layers (correlated errors cancel)
+    assert statistics.median(sensitivity.values()) > output_snr(model, per_channel, batches) + 10
 
 
 # --------------------------------------------------------------------------------------- a trained digits model
