@@ -110,10 +110,10 @@ def test_fake_quant_is_an_exact_int8_and_fp8_round_trip():
     q = quantize_linear(x, scale, "int8")
     assert q.dtype == torch.int8
     assert torch.equal(q, torch.clamp(torch.round(x / scale), -128, 127).to(torch.int8))  # saturates at 6.4
-    assert torch.equal(fake_quantize(x, scale, "int8"), q.float() * scale)
-    _assert_torch_fake_quant_agrees(fake_quantize(x, scale, "int8"),
-                                    torch.fake_quantize_per_tensor_affine(x, scale, torch.tensor(0), -128, 127),
-                                    x, scale)
+    per_tensor = fake_quantize(x, scale, "int8")
+    assert torch.equal(per_tensor, q.float() * scale)
+    _assert_torch_fake_quant_agrees(per_tensor, torch.fake_quantize_per_tensor_affine(
+        x, scale, torch.tensor(0), -128, 127), x, scale)
     per_channel = x.abs().amax((0, 2, 3)) / 127  # a scale per channel of axis 1
     ours, steps = fake_quantize(x, per_channel, "int8", 1), per_channel[:, None, None]
     assert torch.equal(ours, torch.clamp(torch.round(x / steps), -128, 127) * steps)
