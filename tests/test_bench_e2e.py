@@ -3,6 +3,8 @@ ratios and table come from the variants' reports (the GPU timings themselves are
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import sys
 import time
 
@@ -262,3 +264,88 @@ def test_compare_table_prints_the_norm_floor_at_the_measured_bandwidth(monkeypat
                               cuda_graph=False, copy_gbps=3000.0)
     line = next(ln for ln in e2e.compare_table([row], args).splitlines() if ln.startswith("norm/activation floor"))
     assert "(3.0 TB/s)" in line and line.split()[-1] == "10.00"  # 30 GB at 3000 GB/s
+
+
+MODELS, RUNS = ["convnext_base", "replknet31b", "unireplknet_b"], ["auto", "torch", "auto3"]
+
+
+def test_each_variant_has_selectors_that_pick_it_alone():
+    """--warm-cache and --isolate start one process per variant with `--models M --runs K`: each label's selectors
+    must pick exactly that variant (a peer once, whatever the key; RepLKNet's 3x3 twin only for RepLKNet)."""
+    everything = e2e.jobs(MODELS, RUNS)
+    selectors = e2e.variant_selectors(MODELS, RUNS)
+    assert list(selectors) == list(everything)
+    for label, (model, key) in selectors.items():
+        assert e2e.jobs([model], [key]) == {label: everything[label]}
+
+
+def test_a_variant_process_runs_in_this_runs_regime():
+    """The child's command line parses back to the parent's batch, compile mode, layout, graph and inductor settings."""
+    args = argparse.Namespace(batch=48, compile="default", channels_last=True, cuda_graph=False)
+    argv = e2e.variant_argv(args, "combo_kernels=False", "unireplknet_b", "torch", steps=7, warmup=3)
+    assert argv[:4] == [sys.executable, "-m", "lkcnn.bench", "e2e"]
+    child = e2e._parser().parse_args(argv[4:])
+    assert (child.models, child.runs, child.batch, child.steps, child.warmup) == \
+        (["unireplknet_b"], ["torch"], 48, 7, 3)
+    assert (child.compile, child.channels_last, child.cuda_graph, child.inductor) == \
+        ("default", True, False, "combo_kernels=False")
+
+
+class FakeProcess:
+    """subprocess.run / Popen for lkcnn.bench e2e children: writes the record a child would (its --json) with the
+    images/s that `speeds` gives its --models/--runs, and exits with `codes`' status for them (0 by default)."""
+    speeds: dict[tuple[str, str], float] = {}
+    codes: dict[tuple[str, str], int] = {}
+    started: list[list[str]] = []
+
+    def __init__(self, argv, **kwargs):
+        FakeProcess.started.append(argv)
+        child = e2e._parser().parse_args(argv[4:])
+        selector = (child.models[0], child.runs[0])
+        self.returncode, self.stdout = self.codes.get(selector, 0), f"child {selector} output\n"
+        if child.json and not self.returncode:
+            rows = [{"images_per_s": self.speeds[selector], "first_step_s": [float(len(self.started))]}]
+            with open(child.json, "w") as f:
+                json.dump({"rows": rows}, f)
+
+    def wait(self):
+        return self.returncode
+
+
+def test_isolate_times_each_variant_in_a_process_of_its_own(monkeypatch, capsys):
+    """--isolate: every variant's images/s comes from its own child process, in order; a child that fails ends the
+    run in one line naming the variant, after its output."""
+    monkeypatch.setattr(FakeProcess, "started", [])
+    monkeypatch.setattr(FakeProcess, "speeds", {("convnext_base", "torch"): 1880.0, ("unireplknet_b", "auto"): 1496.0,
+                                                ("unireplknet_b", "torch"): 335.0})
+    monkeypatch.setattr(e2e.subprocess, "run", FakeProcess)
+    args = argparse.Namespace(models=["convnext_base", "unireplknet_b"], runs=["auto", "torch"], batch=64, steps=30,
+                              warmup=6, compile="reduce-overhead", channels_last=True, cuda_graph=False)
+    variants = e2e.jobs(args.models, args.runs)
+    samples, first_steps = e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, ""))
+    assert list(samples.values()) == [[1880.0], [1496.0], [335.0]]
+    assert list(first_steps.values()) == [[1.0], [2.0], [3.0]]
+    assert [argv[argv.index("--models") + 1:argv.index("--runs") + 2] for argv in FakeProcess.started] == [
+        ["convnext_base", "--runs", "torch"], ["unireplknet_b", "--runs", "auto"], ["unireplknet_b", "--runs", "torch"]]
+    monkeypatch.setattr(FakeProcess, "codes", {("unireplknet_b", "torch"): 1})
+    with pytest.raises(SystemExit) as exc:
+        e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, ""))
+    assert str(exc.value) == ("lkcnn-bench e2e --isolate: unireplknet_b: PyTorch conv failed (exit 1; its output ends "
+                              "above)")
+    assert "child ('unireplknet_b', 'torch') output" in capsys.readouterr().err
+
+
+def test_warm_cache_compiles_every_variant_at_once_and_names_the_ones_that_fail(monkeypatch, capsys):
+    """--warm-cache starts one two-step child per variant before waiting on any, and a failed compile ends the run in
+    one line after that child's output."""
+    monkeypatch.setattr(FakeProcess, "started", [])
+    monkeypatch.setattr(e2e.subprocess, "Popen", FakeProcess)
+    args = argparse.Namespace(models=MODELS, runs=["auto", "torch"], batch=64, compile="reduce-overhead",
+                              channels_last=True, cuda_graph=False)
+    e2e.warm_cache(args, "")
+    assert len(FakeProcess.started) == 5 and all(argv[argv.index("--steps") + 1] == "1" for argv in FakeProcess.started)
+    monkeypatch.setattr(FakeProcess, "codes", {("replknet31b", "torch"): 1})
+    with pytest.raises(SystemExit) as exc:
+        e2e.warm_cache(args, "")
+    assert str(exc.value) == "lkcnn-bench e2e --warm-cache: 1 of 5 variants failed to compile (above)"
+    assert "compiling replknet31b: PyTorch conv failed" in capsys.readouterr().err

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -286,15 +289,16 @@ def jobs(models: Sequence[str], runs: Sequence[str]) -> dict[str, Job]:
 
 
 def measure(variants: dict[str, Job], repeat: int, on_variant: Callable[[Samples, Samples], None] | None = None,
-            **common) -> tuple[Samples, Samples]:
+            isolated: Callable[[str], tuple[float, float]] | None = None, **common) -> tuple[Samples, Samples]:
     """images/s of every variant and its first steps' seconds, `repeat` rounds of all variants in turn: single runs
     of one variant spread by 20% and more between calls, so a ratio is read from medians of interleaved runs.
+    `isolated(label)`, if given, times a variant instead of this process (`run_isolated`).
     `on_variant(samples, first_steps)` runs after each variant, with what has been measured so far."""
     samples: Samples = {label: [] for label in variants}
     first_steps: Samples = {label: [] for label in variants}
     for _ in range(repeat):
         for label, (model, impl, kwargs) in variants.items():
-            ips, first_s = run_variant(model, impl, **common, **kwargs)
+            ips, first_s = isolated(label) if isolated else run_variant(model, impl, **common, **kwargs)
             samples[label].append(ips)
             first_steps[label].append(first_s)
             # printed as it finishes: kept if a later variant fails
@@ -429,7 +433,68 @@ def record(samples: Samples, first_steps: Samples, variants: dict[str, Job],
               "units": "training images/s (forward, backward, AdamW step)", "batch": args.batch,
               "regime": regime(args), "dtype": "bf16 autocast",
               "lkcnn_inductor_settings": INDUCTOR_SETTINGS if args.compile else None}
+    if getattr(args, "isolate", False):
+        method["isolate"] = "each variant timed in a fresh process of its own, one after another"
+    if getattr(args, "warm_cache_s", None) is not None:
+        method["warm_cache"] = (f"every variant compiled side by side into torch's caches first "
+                                f"({args.warm_cache_s:.0f} s); first_step_s is the compile from those caches")
     return make_record("train_e2e", torch.device("cuda"), command_line(["e2e", *argv]), method, rows)
+
+
+# ----------------------------------------------------------------------------------------------- processes
+# Variants in processes of their own. In one process a variant timed after other networks can run slower than in a
+# fresh one (UniRepLKNet-B compiled: 1191 images/s after UniRepLKNet-S's two variants, 1496 alone, one H200 call), so
+# --isolate times each in its own; and a cold compile is mostly one CPU core's work (1.5-3.5 minutes a network on a
+# 16-core GPU machine), so --warm-cache compiles them all side by side into torch's caches first, and each timed run
+# compiles from those in seconds: several compiled networks then fit one GPU call. The timed steps run the same
+# generated code either way; only the first steps are shorter.
+def variant_selectors(models: Sequence[str], runs: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """By variant label (as `jobs` names it): the --models and --runs values that select that variant alone."""
+    return {label: (model, key) for model in models for key in runs for label in jobs([model], [key])}
+
+
+def variant_argv(args: argparse.Namespace, inductor: str, model: str, key: str, steps: int, warmup: int) -> list[str]:
+    """The command line of `lkcnn.bench e2e` for one variant, in this run's regime."""
+    argv = [sys.executable, "-m", "lkcnn.bench", "e2e", "--models", model, "--runs", key, "--batch", str(args.batch),
+            "--steps", str(steps), "--warmup", str(warmup)]
+    argv += ["--compile", args.compile] if args.compile else []
+    argv += ["--channels-last"] * args.channels_last + ["--cuda-graph"] * args.cuda_graph
+    return argv + (["--inductor", inductor] if inductor else [])
+
+
+def warm_cache(args: argparse.Namespace, inductor: str) -> float:
+    """Compile every variant at once into torch's caches, each in its own process taking two steps; the seconds."""
+    started = time.perf_counter()
+    procs: dict[str, tuple[subprocess.Popen, Any]] = {}
+    for label, (model, key) in variant_selectors(args.models, args.runs).items():
+        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the compile
+        procs[label] = subprocess.Popen(variant_argv(args, inductor, model, key, steps=1, warmup=1), stdout=log,
+                                        stderr=subprocess.STDOUT, text=True), log
+    failed = [label for label, (proc, _) in procs.items() if proc.wait()]
+    for label in failed:
+        log = procs[label][1]
+        log.seek(0)
+        print(f"== --warm-cache: compiling {label} failed; its output ends:\n{log.read()[-3000:]}", file=sys.stderr)
+    if failed:
+        sys.exit(f"lkcnn-bench e2e --warm-cache: {len(failed)} of {len(procs)} variants failed to compile (above)")
+    seconds = time.perf_counter() - started
+    print(f"compiled {len(procs)} variants side by side into torch's caches in {seconds:.0f} s", flush=True)
+    return seconds
+
+
+def run_isolated(args: argparse.Namespace, inductor: str, label: str) -> tuple[float, float]:
+    """Images/s and first step's seconds of one variant (`label`), timed by `lkcnn.bench e2e` in a fresh process."""
+    model, key = variant_selectors(args.models, args.runs)[label]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/record.json"
+        proc = subprocess.run([*variant_argv(args, inductor, model, key, args.steps, args.warmup), "--json", path],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode:
+            print(proc.stdout[-3000:], file=sys.stderr)
+            sys.exit(f"lkcnn-bench e2e --isolate: {label} failed (exit {proc.returncode}; its output ends above)")
+        with open(path) as f:
+            row = json.load(f)["rows"][0]
+    return row["images_per_s"], row["first_step_s"][0]
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -458,6 +523,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default="", help="write a train_e2e benchmark record here")
     parser.add_argument("--runs", type=lambda s: s.split(","), default=list(VARIANTS),
                         help=f"comma list of {','.join(VARIANTS)} (default all)")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="with --compile: first compile every variant at once, each in its own process, into "
+                             "torch's caches; the timed runs then compile from them (several compiled networks in "
+                             "one GPU call; first steps then show the warm-cache compile)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="time each variant in a fresh process of its own, one after another (in one process a "
+                             "network timed after others can run slower)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="capture each variant's whole training step in a CUDA graph and replay it (GPU time only)")
     parser.add_argument("--profile", action="store_true",
@@ -474,6 +546,11 @@ def main(argv: Sequence[str]) -> None:
     check_models(parser, "--models", args.models)
     if args.compare and not timm.is_model(args.compare):
         parser.error(f"--compare: {args.compare!r} is not a timm model name")
+    if args.warm_cache and (not args.compile or args.compare):
+        parser.error("--warm-cache compiles the --runs variants: give it with --compile and without --compare")
+    if args.isolate and (args.compare or args.profile):
+        parser.error("--isolate times the --runs variants: give it without --compare and --profile")
+    inductor_text = args.inductor
     try:
         args.inductor = parse_settings(args.inductor)
     except ValueError as err:
@@ -503,6 +580,7 @@ def main(argv: Sequence[str]) -> None:
             print(f"wrote {args.json}")
         return
     variants = jobs(args.models, args.runs)
+    args.warm_cache_s = warm_cache(args, inductor_text) if args.warm_cache else None
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
                   compile=args.compile, cuda_graph=args.cuda_graph, inductor=args.inductor)
     if args.profile:
@@ -514,7 +592,9 @@ def main(argv: Sequence[str]) -> None:
     def save(samples: Samples, first_steps: Samples) -> None:  # after each variant: a run stopped by a GPU call's
         write_record(args.json, record(samples, first_steps, variants, args, argv))  # time limit keeps its rows
 
-    samples, first_steps = measure(variants, args.repeat, on_variant=save if args.json else None, **common)
+    isolated = functools.partial(run_isolated, args, inductor_text) if args.isolate else None
+    samples, first_steps = measure(variants, args.repeat, on_variant=save if args.json else None, isolated=isolated,
+                                   **common)
     print(table(samples, first_steps, args))
     if args.json:
         print(f"wrote {args.json}")
