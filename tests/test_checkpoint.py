@@ -91,8 +91,11 @@ def test_plain_wrapped_and_safetensors_files(tmp_path):
     torch.save({"model": raw, "model_ema": ema, "epoch": 299, "args": argparse.Namespace(model="RepLKNet-31B")},
                tmp_path / "official.pth")  # the official trainer's layout, argparse args included
     safetensors.torch.save_file(raw, tmp_path / "weights.safetensors")
+    # torch's legacy format (before 1.6, and `_use_new_zipfile_serialization=False`) cannot be memory-mapped
+    torch.save(raw, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
     for name, kind in (("plain.pth", "state_dict"), ("official.pth", "wrapped"), ("weights.safetensors",
-                                                                                  "state_dict")):
+                                                                                  "state_dict"),
+                       ("legacy.pth", "state_dict")):
         ckpt = read_checkpoint(tmp_path / name)
         assert (ckpt.kind, ckpt.spec) == (kind, None)
         assert_same_weights(ckpt.state_dict, raw)

@@ -50,6 +50,19 @@ class Checkpoint:
     hydra_config: dict[str, Any] | None = None  # the training run's resolved config (lkcnn's training app)
 
 
+def _torch_load(path: Path) -> Any:
+    """torch.load, weights only, with the tensors mapped from the file (copy-on-write): a check that reads only the
+    shapes or the stored config (resuming reads a checkpoint twice before Lightning loads it) then costs ~0.06 s
+    instead of ~0.8 s for a 1.2 GB checkpoint in the page cache, and more from a cold disk. Files in torch's legacy
+    format cannot be mapped and are read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Unpickle a checkpoint file safely (weights only); a ``.safetensors`` file is read as a state_dict."""
     path = Path(path)
@@ -63,7 +76,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
                                   "it may be truncated or corrupt: copy or download it again.") from None
     try:
         with torch.serialization.safe_globals(TRUSTED_GLOBALS):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = _torch_load(path)
     except pickle.UnpicklingError as e:
         refused = re.search(r"GLOBAL (\S+)", str(e))
         if refused is None:  # a damaged pickle stream, not a refused class
