@@ -321,15 +321,15 @@ def test_isolate_times_each_variant_in_a_process_of_its_own(monkeypatch, capsys)
     monkeypatch.setattr(e2e.subprocess, "run", FakeProcess)
     args = argparse.Namespace(models=["convnext_base", "unireplknet_b"], runs=["auto", "torch"], batch=64, steps=30,
                               warmup=6, compile="reduce-overhead", channels_last=True, cuda_graph=False)
-    variants = e2e.jobs(args.models, args.runs)
-    samples, first_steps = e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, ""))
+    variants, selectors = e2e.jobs(args.models, args.runs), e2e.variant_selectors(args.models, args.runs)
+    samples, first_steps = e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, "", selectors))
     assert list(samples.values()) == [[1880.0], [1496.0], [335.0]]
     assert list(first_steps.values()) == [[1.0], [2.0], [3.0]]
     assert [argv[argv.index("--models") + 1:argv.index("--runs") + 2] for argv in FakeProcess.started] == [
         ["convnext_base", "--runs", "torch"], ["unireplknet_b", "--runs", "auto"], ["unireplknet_b", "--runs", "torch"]]
     monkeypatch.setattr(FakeProcess, "codes", {("unireplknet_b", "torch"): 1})
     with pytest.raises(SystemExit) as exc:
-        e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, ""))
+        e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, "", selectors))
     assert str(exc.value) == ("lkcnn-bench e2e --isolate: unireplknet_b: PyTorch conv failed (exit 1; its output ends "
                               "above)")
     assert "child ('unireplknet_b', 'torch') output" in capsys.readouterr().err
@@ -342,10 +342,10 @@ def test_warm_cache_compiles_every_variant_at_once_and_names_the_ones_that_fail(
     monkeypatch.setattr(e2e.subprocess, "Popen", FakeProcess)
     args = argparse.Namespace(models=MODELS, runs=["auto", "torch"], batch=64, compile="reduce-overhead",
                               channels_last=True, cuda_graph=False)
-    e2e.warm_cache(args, "")
+    e2e.warm_cache(args, "", e2e.variant_selectors(args.models, args.runs))
     assert len(FakeProcess.started) == 5 and all(argv[argv.index("--steps") + 1] == "1" for argv in FakeProcess.started)
     monkeypatch.setattr(FakeProcess, "codes", {("replknet31b", "torch"): 1})
     with pytest.raises(SystemExit) as exc:
-        e2e.warm_cache(args, "")
+        e2e.warm_cache(args, "", e2e.variant_selectors(args.models, args.runs))
     assert str(exc.value) == "lkcnn-bench e2e --warm-cache: 1 of 5 variants failed to compile (above)"
     assert "compiling replknet31b: PyTorch conv failed" in capsys.readouterr().err

@@ -14,6 +14,7 @@ The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -464,19 +465,22 @@ def variant_argv(args: argparse.Namespace, inductor: str, model: str, key: str, 
     return argv + (["--inductor", inductor] if inductor else [])
 
 
-def warm_cache(args: argparse.Namespace, inductor: str) -> float:
-    """Compile every variant at once into torch's caches, each in its own process taking two steps; the seconds."""
+def warm_cache(args: argparse.Namespace, inductor: str, selectors: dict[str, tuple[str, str]]) -> float:
+    """Compile every variant (`variant_selectors`) at once into torch's caches, each in its own process taking two
+    steps; the seconds."""
     started = time.perf_counter()
     procs: dict[str, tuple[subprocess.Popen, Any]] = {}
-    for label, (model, key) in variant_selectors(args.models, args.runs).items():
-        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would stall the compile
-        procs[label] = subprocess.Popen(variant_argv(args, inductor, model, key, steps=1, warmup=1), stdout=log,
-                                        stderr=subprocess.STDOUT, text=True), log
-    failed = [label for label, (proc, _) in procs.items() if proc.wait()]
-    for label in failed:
-        log = procs[label][1]
-        log.seek(0)
-        print(f"== --warm-cache: compiling {label} failed; its output ends:\n{log.read()[-3000:]}", file=sys.stderr)
+    with contextlib.ExitStack() as logs:
+        for label, (model, key) in selectors.items():
+            log = logs.enter_context(tempfile.TemporaryFile("w+"))  # not a pipe: a full pipe would stall the compile
+            procs[label] = subprocess.Popen(variant_argv(args, inductor, model, key, steps=1, warmup=1), stdout=log,
+                                            stderr=subprocess.STDOUT, text=True), log
+        failed = [label for label, (proc, _) in procs.items() if proc.wait()]
+        for label in failed:
+            log = procs[label][1]
+            log.seek(0)
+            print(f"== --warm-cache: compiling {label} failed; its output ends:\n{log.read()[-3000:]}",
+                  file=sys.stderr)
     if failed:
         sys.exit(f"lkcnn-bench e2e --warm-cache: {len(failed)} of {len(procs)} variants failed to compile (above)")
     seconds = time.perf_counter() - started
@@ -484,9 +488,11 @@ def warm_cache(args: argparse.Namespace, inductor: str) -> float:
     return seconds
 
 
-def run_isolated(args: argparse.Namespace, inductor: str, label: str) -> tuple[float, float]:
-    """Images/s and first step's seconds of one variant (`label`), timed by `lkcnn.bench e2e` in a fresh process."""
-    model, key = variant_selectors(args.models, args.runs)[label]
+def run_isolated(args: argparse.Namespace, inductor: str, selectors: dict[str, tuple[str, str]],
+                 label: str) -> tuple[float, float]:
+    """Images/s and first step's seconds of one variant (`label`, selected by `selectors[label]`), timed by
+    `lkcnn.bench e2e` in a fresh process."""
+    model, key = selectors[label]
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/record.json"
         proc = subprocess.run([*variant_argv(args, inductor, model, key, args.steps, args.warmup), "--json", path],
@@ -582,7 +588,8 @@ def main(argv: Sequence[str]) -> None:
             print(f"wrote {args.json}")
         return
     variants = jobs(args.models, args.runs)
-    args.warm_cache_s = warm_cache(args, inductor_text) if args.warm_cache else None
+    selectors = variant_selectors(args.models, args.runs)
+    args.warm_cache_s = warm_cache(args, inductor_text, selectors) if args.warm_cache else None
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
                   compile=args.compile, cuda_graph=args.cuda_graph, inductor=args.inductor)
     if args.profile:
@@ -594,7 +601,7 @@ def main(argv: Sequence[str]) -> None:
     def save(samples: Samples, first_steps: Samples) -> None:  # after each variant: a run stopped by a GPU call's
         write_record(args.json, record(samples, first_steps, variants, args, argv))  # time limit keeps its rows
 
-    isolated = functools.partial(run_isolated, args, inductor_text) if args.isolate else None
+    isolated = functools.partial(run_isolated, args, inductor_text, selectors) if args.isolate else None
     samples, first_steps = measure(variants, args.repeat, on_variant=save if args.json else None, isolated=isolated,
                                    **common)
     print(table(samples, first_steps, args))
