@@ -8,7 +8,7 @@ The numbers behind docs/performance.md's end-to-end table. A bare loop: the Hydr
     python -m lkcnn.bench e2e --profile --runs cuda,torch3 --steps 5 [--channels-last]   # GPU time per kernel
     python -m lkcnn.bench e2e --compare convnext_base [--json FILE]   # compiled: vs the peer and the 3x3 twin
     python -m lkcnn.bench e2e --runs auto --compile --channels-last --inductor combo_kernels=False   # A/B
-    python -m lkcnn.bench e2e --models convnext_base,unireplknet_b --runs auto,torch --compile --channels-last \
+    python -m lkcnn.bench e2e --models convnext_base,unireplknet_b --runs auto,torch --compile --channels-last
                               --warm-cache --isolate   # compiled side by side first, then timed one process each
 """
 from __future__ import annotations
