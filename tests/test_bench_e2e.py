@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 
@@ -335,9 +336,10 @@ def test_isolate_times_each_variant_in_a_process_of_its_own(monkeypatch, capsys)
     assert "child ('unireplknet_b', 'torch') output" in capsys.readouterr().err
 
 
-def test_warm_cache_compiles_every_variant_at_once_and_names_the_ones_that_fail(monkeypatch, capsys):
+def test_warm_cache_compiles_every_variant_at_once_and_names_the_ones_that_fail(monkeypatch, capsys, tmp_path):
     """--warm-cache starts one two-step child per variant before waiting on any, and a failed compile ends the run in
     one line after that child's output."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(FakeProcess, "started", [])
     monkeypatch.setattr(e2e.subprocess, "Popen", FakeProcess)
     args = argparse.Namespace(models=MODELS, runs=["auto", "torch"], batch=64, compile="reduce-overhead",
@@ -349,3 +351,18 @@ def test_warm_cache_compiles_every_variant_at_once_and_names_the_ones_that_fail(
         e2e.warm_cache(args, "", e2e.variant_selectors(args.models, args.runs))
     assert str(exc.value) == "lkcnn-bench e2e --warm-cache: 1 of 5 variants failed to compile (above)"
     assert "compiling replknet31b: PyTorch conv failed" in capsys.readouterr().err
+
+
+def test_warm_cache_drops_only_the_launch_picks_it_made(monkeypatch, tmp_path):
+    """The launch configurations that inductor picked while the variants compiled side by side are deleted, so each
+    timed run picks its own alone; picks from before the warm-up and the compiled code stay."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    (tmp_path / "ab").mkdir()
+    old, new, code = tmp_path / "ab" / "old.best_config", tmp_path / "ab" / "new.best_config", tmp_path / "ab" / "k.py"
+    for path in (old, new, code):
+        path.write_text("{}")
+    started = time.time()
+    os.utime(old, (started - 60, started - 60))
+    os.utime(new, (started + 1, started + 1))
+    assert e2e.drop_launch_picks(since=started) == 1
+    assert old.exists() and code.exists() and not new.exists()

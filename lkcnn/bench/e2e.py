@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import functools
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from lkcnn import timing
 from lkcnn.bench.profile import by_category, kernel_table, profile_kernels
@@ -450,7 +452,10 @@ def record(samples: Samples, first_steps: Samples, variants: dict[str, Job],
 # --isolate times each in its own; and a cold compile is mostly one CPU core's work (1.5-3.5 minutes a network on a
 # 16-core GPU machine), so --warm-cache compiles them all side by side into torch's caches first, and each timed run
 # compiles from those in seconds: several compiled networks then fit one GPU call. The timed steps run the same
-# generated code either way; only the first steps are shorter.
+# generated code either way. But inductor times the launch configurations of its Triton kernels
+# (max_autotune_pointwise) at their first launch and caches the picks beside them; side by side, those timings share
+# the GPU and the CPUs with the other compiles (RepLKNet-31B trained at 1607.6 images/s on such picks and at 1653.6 on
+# its own, one H200 each), so --warm-cache drops the picks it made and each timed run times its own, alone.
 def variant_selectors(models: Sequence[str], runs: Sequence[str]) -> dict[str, tuple[str, str]]:
     """By variant label (as `jobs` names it): the --models and --runs values that select that variant alone."""
     return {label: (model, key) for model in models for key in runs for label in jobs([model], [key])}
@@ -468,7 +473,7 @@ def variant_argv(args: argparse.Namespace, inductor: str, model: str, key: str, 
 def warm_cache(args: argparse.Namespace, inductor: str, selectors: dict[str, tuple[str, str]]) -> float:
     """Compile every variant (`variant_selectors`) at once into torch's caches, each in its own process taking two
     steps; the seconds."""
-    started = time.perf_counter()
+    started, wall_started = time.perf_counter(), time.time()
     procs: dict[str, tuple[subprocess.Popen, Any]] = {}
     with contextlib.ExitStack() as logs:
         for label, (model, key) in selectors.items():
@@ -484,8 +489,20 @@ def warm_cache(args: argparse.Namespace, inductor: str, selectors: dict[str, tup
     if failed:
         sys.exit(f"lkcnn-bench e2e --warm-cache: {len(failed)} of {len(procs)} variants failed to compile (above)")
     seconds = time.perf_counter() - started
-    print(f"compiled {len(procs)} variants side by side into torch's caches in {seconds:.0f} s", flush=True)
+    dropped = drop_launch_picks(since=wall_started)
+    print(f"compiled {len(procs)} variants side by side into torch's caches in {seconds:.0f} s (dropped the "
+          f"{dropped} launch configurations they picked under contention: each timed run picks its own)", flush=True)
     return seconds
+
+
+def drop_launch_picks(since: float) -> int:
+    """Delete the launch-configuration picks (inductor's `*.best_config` files) written into inductor's cache since
+    `since` (a `time.time()`); how many. Earlier picks, a user's own runs', stay."""
+    root = pathlib.Path(cache_dir())
+    picks = [p for p in root.rglob("*.best_config") if p.stat().st_mtime >= since] if root.is_dir() else []
+    for path in picks:
+        path.unlink(missing_ok=True)
+    return len(picks)
 
 
 def run_isolated(args: argparse.Namespace, inductor: str, selectors: dict[str, tuple[str, str]],
@@ -534,7 +551,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-cache", action="store_true",
                         help="with --compile: first compile every variant at once, each in its own process, into "
                              "torch's caches; the timed runs then compile from them (several compiled networks in "
-                             "one GPU call; first steps then show the warm-cache compile)")
+                             "one GPU call; first steps then show the warm-cache compile and the timed run's own "
+                             "choice of inductor's launch configurations)")
     parser.add_argument("--isolate", action="store_true",
                         help="time each variant in a fresh process of its own, one after another (in one process a "
                              "network timed after others can run slower)")
