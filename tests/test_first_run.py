@@ -58,9 +58,10 @@ def user_error(cfg: DictConfig) -> str:
     return message
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *TINY, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})})
+def run_cli(*args: str, env: dict[str, str] | None = None, multirun: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *["-m"] * multirun, *TINY, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})})
 
 
 def test_summary_block_before_the_first_step(tmp_path, caplog):
@@ -149,6 +150,26 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     assert unused_run_dir(str(tmp_path / "taken")) == f"{tmp_path}/taken_1"  # Hydra resolves it more than once
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks, each running the command: they share one folder
     assert unused_run_dir(str(tmp_path / "taken")) == str(tmp_path / "taken")
+
+
+def test_multiruns_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    """A multirun's default folder is named after its second too: a second sweep started in it wrote its
+    multirun.yaml and its jobs' .hydra/ files over the first's, then was refused. conf/train.yaml's sweep folder is
+    unused_run_dir's, and every job of one sweep shares it."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        default = compose("train", return_hydra_config=True).hydra.sweep
+    assert OmegaConf.to_container(default)["dir"].startswith("${lkcnn.unused_dir:${paths.runs_dir}/multirun/${now:")
+    sweep = f"hydra.sweep.dir=${{lkcnn.unused_dir:{tmp_path}/sweep}}"  # the default's resolver, on a fixed name
+    first = run_cli(sweep, "trainer.max_steps=1", "trainer.limit_val_batches=0", "seed=1,3", multirun=True)
+    second = run_cli(sweep, "trainer.max_steps=1", "trainer.limit_val_batches=0", "seed=2", multirun=True)
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], second.stderr[-2000:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep", "sweep_1"]
+    for folder, seeds in (("sweep", [1, 3]), ("sweep_1", [2])):
+        assert OmegaConf.load(tmp_path / folder / "multirun.yaml").hydra.overrides.task[-1] == "seed=" + ",".join(
+            map(str, seeds))
+        for job, seed in enumerate(seeds):
+            assert OmegaConf.load(tmp_path / folder / str(job) / ".hydra" / "config.yaml").seed == seed
+            assert (tmp_path / folder / str(job) / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_a_config_mistake_leaves_no_run_folder_behind(tmp_path):
