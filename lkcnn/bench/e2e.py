@@ -473,7 +473,7 @@ def variant_argv(args: argparse.Namespace, inductor: str, model: str, key: str, 
 def warm_cache(args: argparse.Namespace, inductor: str, selectors: dict[str, tuple[str, str]]) -> float:
     """Compile every variant (`variant_selectors`) at once into torch's caches, each in its own process taking two
     steps; the seconds."""
-    started, wall_started = time.perf_counter(), time.time()
+    started = time.time()  # also the age of the launch picks this warm-up writes
     procs: dict[str, tuple[subprocess.Popen, Any]] = {}
     with contextlib.ExitStack() as logs:
         for label, (model, key) in selectors.items():
@@ -488,8 +488,8 @@ def warm_cache(args: argparse.Namespace, inductor: str, selectors: dict[str, tup
                   file=sys.stderr)
     if failed:
         sys.exit(f"lkcnn-bench e2e --warm-cache: {len(failed)} of {len(procs)} variants failed to compile (above)")
-    seconds = time.perf_counter() - started
-    dropped = drop_launch_picks(since=wall_started)
+    seconds = time.time() - started
+    dropped = drop_launch_picks(since=started)
     print(f"compiled {len(procs)} variants side by side into torch's caches in {seconds:.0f} s (dropped the "
           f"{dropped} launch configurations they picked under contention: each timed run picks its own)", flush=True)
     return seconds

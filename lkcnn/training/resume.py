@@ -135,7 +135,8 @@ _unused: dict[str, Path] = {}
 
 
 def unused_run_dir(path: str) -> str:
-    """The default run folder (conf/train.yaml's `hydra.run.dir`, `<runs_dir>/<date>/<time>`) made this run's own:
+    """The default run or sweep folder (conf/train.yaml's `hydra.run.dir`, `<runs_dir>/<date>/<time>`, and
+    `hydra.sweep.dir`, whose jobs all resolve it in one process) made this run's own:
     `path`, or `path_1`, `path_2`, ... where a run that started in the same second (a shell loop of background runs,
     a job array) has it. Without this both would share one folder and the second would write its .hydra/ files over
     the first's. The folder is created here, exclusively, so runs started at once never get the same one. Where a
