@@ -333,6 +333,29 @@ def test_record_round_trip_and_legacy_format(tmp_path):
         load_record(path)
 
 
+def test_gpu_state_names_the_physical_gpu_and_its_limits(monkeypatch):
+    """A record tells machines of one kind apart: the GPU's UUID, power limit and top clocks, asked of nvidia-smi for
+    the device that ran (by its UUID); nothing is invented where nvidia-smi is missing or answers N/A."""
+    from types import SimpleNamespace
+
+    from lkcnn.bench import record as rec
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="1234-abcd"))
+    asked = []
+
+    def smi(args):
+        asked.append(list(args))
+        return "580.159.04, GPU-1234-abcd, 700.00, 1980, [N/A]" if args[0] == "nvidia-smi" else None
+    monkeypatch.setattr(rec, "_run_quietly", smi)
+    state = rec.gpu_state(torch.device("cuda", 0))
+    assert asked[0][:3] == ["nvidia-smi", "-i", "GPU-1234-abcd"]
+    assert state == {"driver": "580.159.04", "gpu_uuid": "GPU-1234-abcd", "gpu_power_limit_w": 700.0,
+                     "gpu_max_sm_clock_mhz": 1980.0, "gpu_max_mem_clock_mhz": None}
+    monkeypatch.setattr(rec, "_run_quietly", lambda args: None)
+    assert rec.gpu_state(torch.device("cuda", 0)) == {}
+    assert rec.gpu_state(torch.device("cpu")) == {}
+    assert rec.environment(torch.device("cpu"))["driver"] is None
+
+
 def test_committed_kernel_record_is_current_schema():
     """benchmarks/h100_kernels.json (what the README and the notebook read) loads and holds the quick set's rows."""
     record = load_record(bench.ROOT / "benchmarks" / "h100_kernels.json")

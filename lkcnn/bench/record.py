@@ -42,20 +42,48 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "lkcnn.bench", *argv])
 
 
+GPU_QUERY = ("driver_version", "uuid", "power.limit", "clocks.max.sm", "clocks.max.mem")
+
+
+def gpu_state(device: torch.device) -> dict[str, Any]:
+    """The GPU's driver and what tells one machine of a kind from another: its UUID (which physical GPU ran it), power
+    limit and top clocks. Rates of the same code differ by several % across machines of one kind, so records keep these
+    beside the numbers. Absent keys where nvidia-smi is missing."""
+    if device.type != "cuda":
+        return {}
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    select = ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
+    query = [f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader,nounits"]
+    out = _run_quietly(["nvidia-smi", *select, *query])
+    if out is None and torch.cuda.device_count() == 1:  # the one GPU, whatever its UUID's spelling
+        out = _run_quietly(["nvidia-smi", *query])
+    values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+    if len(values) != len(GPU_QUERY):
+        return {}
+    driver, gpu_uuid, power, sm, mem = values
+
+    def number(v: str) -> float | None:
+        try:
+            return float(v)
+        except ValueError:  # "[N/A]"
+            return None
+    return {"driver": driver, "gpu_uuid": gpu_uuid, "gpu_power_limit_w": number(power),
+            "gpu_max_sm_clock_mhz": number(sm), "gpu_max_mem_clock_mhz": number(mem)}
+
+
 def environment(device: torch.device) -> dict[str, Any]:
-    """Where the numbers were taken: GPU, driver, library versions, commit and date (the record's environment)."""
+    """Where the numbers were taken: GPU (`gpu_state`), library versions, commit and date (the record's environment)."""
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     cuda = device.type == "cuda"
-    driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if cuda else None
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else str(device),
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "sm_count": torch.cuda.get_device_properties(device).multi_processor_count if cuda else None,
-        "driver": driver.splitlines()[0] if driver else None,
+        "driver": None, **gpu_state(device),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "triton": triton_version, "python": platform.python_version(), **git_state(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
