@@ -12,6 +12,7 @@ from torch._inductor.utils import run_and_get_code
 from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options, network_settings, parse_settings
 from lkcnn.layers.blocks import ConvFFN
 from lkcnn.models.replknet import RepLKNet
+from lkcnn.ops import use_conv_impl
 
 
 def test_options_are_the_mode_and_lkcnn_settings():
@@ -75,3 +76,17 @@ def test_settings_are_inductors():
         parse_settings("combo_kernel=True")
     with pytest.raises(ValueError, match="not key=value"):
         parse_settings("combo_kernels")
+
+
+def test_a_compiled_network_compiles_once():
+    """Compiled as a timm user compiles it (no conv implementation chosen): the trace changes no lkcnn state, so the
+    second and third steps reuse the first step's graph instead of compiling the network again."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with use_conv_impl(None):
+        model = torch.compile(timm.create_model("replknet_tiny"), backend="eager")
+        x = torch.randn(2, 3, 64, 64)
+        for _ in range(3):
+            model(x).sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

@@ -280,7 +280,7 @@ def test_cli_exports_and_reports_errors_in_one_line(ckpt, tmp_path, capsys, monk
     assert "--set expects key=value" in capsys.readouterr().err
     if not torch.cuda.is_available():  # LKCNN_CONV_IMPL=cuda exported where lkcnn's kernels cannot run
         monkeypatch.setenv("LKCNN_CONV_IMPL", "cuda")
-        monkeypatch.setattr(dwconv, "_env_impl", None)  # as a new process reads it
+        monkeypatch.setattr(dwconv, "_env_impl", dwconv.read_env())  # as a new process reads it
         with pytest.raises(SystemExit) as exit_info:
             main([str(path), str(tmp_path / "out4"), "--input-size", *map(str, SIZE)])
         err = capsys.readouterr().err

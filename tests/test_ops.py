@@ -159,9 +159,9 @@ def test_bad_arguments_give_clear_errors(kwargs, match):
 
 
 def _fresh_process_env(monkeypatch, value: str) -> None:
-    """LKCNN_CONV_IMPL=value as a new process would see it (the op reads the variable once)."""
+    """LKCNN_CONV_IMPL=value as a new process would see it (lkcnn reads the variable when imported)."""
     monkeypatch.setenv("LKCNN_CONV_IMPL", value)
-    monkeypatch.setattr(dwconv, "_env_impl", None)
+    monkeypatch.setattr(dwconv, "_env_impl", dwconv.read_env())
 
 
 def test_impl_selection(monkeypatch):

@@ -183,7 +183,7 @@ def test_a_users_conv_impl_variable_is_not_replaced_silently(tmp_path, monkeypat
     the variable itself is left as the user set it, so a multirun's later jobs see the user's value, not a job's."""
     model = make_cfg(tmp_path, *tiny("replknet_tiny")).model
     monkeypatch.setenv("LKCNN_CONV_IMPL", "torch")
-    monkeypatch.setattr(dwconv, "_env_impl", None)  # as a new process sees it: the op reads the variable once
+    monkeypatch.setattr(dwconv, "_env_impl", dwconv.read_env())  # as a new process sees it: read at import
     with pytest.warns(UserWarning, match="pass conv_impl=torch"):
         build_model(model, conv_impl="auto")
     assert conv_impl() == "auto" and os.environ["LKCNN_CONV_IMPL"] == "torch"

@@ -33,16 +33,21 @@ MAX_KERNEL = 63
 AUTO_MIN_KERNEL = 7
 ENV_VAR = "LKCNN_CONV_IMPL"
 _warned: set[str] = set()
-_env_impl: str | None = None  # LKCNN_CONV_IMPL as read at the first call that needed it ("" when unset)
+# LKCNN_CONV_IMPL, read once when lkcnn is imported: the op's hot path reads no environment, a run's choice cannot
+# change under it, and a compiled network's trace changes no state (read lazily, the first trace stored it, and the
+# guard on the unread value recompiled the whole network at its second call)
+def read_env() -> str:
+    """LKCNN_CONV_IMPL now, lower-cased ("" when unset)."""
+    return os.environ.get(ENV_VAR, "").strip().lower()
+
+
+_env_impl: str = read_env()
 _chosen: str | None = None  # set_conv_impl's choice; None: the user's default
 
 
 def conv_impl_from_env() -> str | None:
-    """LKCNN_CONV_IMPL, lower-cased (None when unset or empty): the user's default, unchecked. Read once, at the first
-    call that needs it, so the op's hot path reads no environment and a run's choice cannot change under it."""
-    global _env_impl
-    if _env_impl is None:
-        _env_impl = os.environ.get(ENV_VAR, "").strip().lower()
+    """LKCNN_CONV_IMPL as lkcnn's import found it, lower-cased (None when unset or empty): the user's default,
+    unchecked."""
     return _env_impl or None
 
 
