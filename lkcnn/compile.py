@@ -60,10 +60,60 @@ def compile_options(mode: str, model: nn.Module | None = None) -> dict[str, Any]
     return {**list_mode_options(mode), **{k: v for k, v in settings.items() if k in known}}
 
 
-def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None = None) -> None:
+def stage_blocks(stage: nn.Module) -> list[nn.Module]:
+    """The blocks of one of timm's `stages`: its `blocks` (ConvNeXt, RepLKNet) or else its children (UniRepLKNet)."""
+    return list(stage.blocks if hasattr(stage, "blocks") else stage.children())
+
+
+def regions(model: nn.Module) -> list[nn.Module]:
+    """The parts of `model` that a regional compile compiles one by one: every
+    block of every stage (timm's `stages`), and around them every other part that holds parameters or buffers (the
+    stem, downsampling layers, the head; a ModuleList's items one by one). [model] for a network without `stages`."""
+    stages = getattr(model, "stages", None)
+    if not isinstance(stages, nn.Sequential | nn.ModuleList):
+        return [model]
+
+    def parts(module: nn.Module) -> list[nn.Module]:
+        if module is stages:
+            return [part for stage in stages for part in stage_parts(stage)]
+        if isinstance(module, nn.ModuleList):
+            return [part for child in module for part in parts(child)]
+        has_state = next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
+        return [module] if has_state else []
+
+    def stage_parts(stage: nn.Module) -> list[nn.Module]:
+        blocks = stage_blocks(stage)
+        container = getattr(stage, "blocks", None)
+        if container is None:  # the stage is its blocks
+            return blocks
+        return [part for child in stage.children()
+                for part in (blocks if child is container else parts(child))]
+    return [part for child in model.children() for part in parts(child)]
+
+
+def compile_model(model: nn.Module, mode: str, settings: dict[str, Any] | None = None, regional: bool = False) -> None:
     """torch.compile `model` in place (state_dict keys unchanged) in `mode` with lkcnn's settings and the network's,
-    and `settings` (inductor config keys) over them."""
-    model.compile(options={**compile_options(mode, model), **(settings or {})})
+    and `settings` (inductor config keys) over them; with `regional`, each of `regions(model)` on its own instead.
+
+    A regional compile compiles each distinct block once: blocks of the same structure share one compiled graph (torch
+    passes their parameters in as inputs), so RepLKNet-31B's 48 blocks compile as 8. Each block is compiled for fixed
+    shapes (`dynamic=False`: a later stage's wider block would otherwise make the code of its class shape-generic), and
+    dynamo may keep as many compiled versions of one block class as the network has distinct blocks of it, in training
+    and in eval mode (its default, 8, is fewer than UniRepLKNet-B's blocks need). It halves RepLKNet-31B's cold compile
+    on an H200 and trains 1.5-6% slower than the whole network's one graph, whose single CUDA graph costs the host
+    less than the regions' replays (docs/performance.md, Open 5): lkcnn compiles whole networks."""
+    options = {**compile_options(mode, model), **(settings or {})}
+    if not regional:
+        model.compile(options=options)
+        return
+    parts = regions(model)
+    versions: dict[type, set[str]] = {}
+    for part in parts:
+        versions.setdefault(type(part), set()).add(repr(part))
+    needed = 2 * max(len(kinds) for kinds in versions.values())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+    for part in parts:
+        part.compile(options=options, dynamic=False)
 
 
 def check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

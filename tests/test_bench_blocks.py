@@ -9,6 +9,7 @@ import timm
 import torch
 
 from lkcnn.bench import blocks
+from lkcnn.compile import stage_blocks
 from lkcnn.errors import UserError
 from lkcnn.models.replknet import RepLKNet
 
@@ -30,9 +31,9 @@ def test_units_cover_every_stage(name, kinds):
     units = blocks.stage_units(model)
     assert [unit["kinds"] for unit in units] == kinds
     for unit, stage in zip(units, model.stages):
-        stage_blocks = blocks._blocks(stage)
-        assert unit["count"] * len(unit["kinds"]) == len(stage_blocks)
-        assert all(a is b for a, b in zip(unit["unit"], stage_blocks))  # the model's own modules
+        own = stage_blocks(stage)
+        assert unit["count"] * len(unit["kinds"]) == len(own)
+        assert all(a is b for a, b in zip(unit["unit"], own))  # the model's own modules
         x = torch.zeros(2, *unit["shape"])
         assert unit["unit"].eval()(x).shape == x.shape  # the shape its first block is handed
 

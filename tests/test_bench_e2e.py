@@ -145,8 +145,8 @@ def test_inductor_settings_reach_the_compile_and_the_record(monkeypatch, capsys)
     class Compiled(Exception):
         pass
 
-    def fake_compile(model, mode, settings=None):
-        seen.append((mode, settings))
+    def fake_compile(model, mode, settings=None, regional=False):
+        seen.append((mode, settings, regional))
         raise Compiled
     monkeypatch.setattr(e2e.timm, "create_model", lambda *a, **k: torch.nn.Linear(2, 2))
     monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
@@ -154,14 +154,22 @@ def test_inductor_settings_reach_the_compile_and_the_record(monkeypatch, capsys)
     with pytest.raises(Compiled):
         e2e.setup("replknet31b", "auto", batch=2, channels_last=True, compile="reduce-overhead",
                   inductor={"combo_kernels": True})
-    assert seen == [("reduce-overhead", {"combo_kernels": True})]
+    with pytest.raises(Compiled):
+        e2e.setup("replknet31b", "auto", batch=2, channels_last=True, compile="reduce-overhead", regional=True)
+    assert seen == [("reduce-overhead", {"combo_kernels": True}, False), ("reduce-overhead", None, True)]
     args = argparse.Namespace(compile="reduce-overhead", channels_last=True, cuda_graph=False,
                               inductor={"combo_kernels": True})
     assert e2e.regime(args) == "compiled (reduce-overhead, combo_kernels=True), channels_last"
+    args.regional = True
+    assert e2e.regime(args) == "compiled (reduce-overhead, block by block, combo_kernels=True), channels_last"
     with pytest.raises(SystemExit):
         e2e.main(["--compile", "--inductor", "combo_kernel=True"])
     err = capsys.readouterr().err
     assert "--inductor: torch" in err and "no inductor setting 'combo_kernel'" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        e2e.main(["--regional"])
+    err = capsys.readouterr().err
+    assert "--regional is a way to compile: give it with --compile or --compare" in err and "Traceback" not in err
 
 
 def test_each_variant_reports_as_it_finishes(monkeypatch, capsys):
@@ -282,14 +290,15 @@ def test_each_variant_has_selectors_that_pick_it_alone():
 
 def test_a_variant_process_runs_in_this_runs_regime():
     """The child's command line parses back to the parent's batch, compile mode, layout, graph and inductor settings."""
-    args = argparse.Namespace(batch=48, compile="default", channels_last=True, cuda_graph=False)
-    argv = e2e.variant_argv(args, "combo_kernels=False", "unireplknet_b", "torch", steps=7, warmup=3)
-    assert argv[:4] == [sys.executable, "-m", "lkcnn.bench", "e2e"]
-    child = e2e._parser().parse_args(argv[4:])
-    assert (child.models, child.runs, child.batch, child.steps, child.warmup) == \
-        (["unireplknet_b"], ["torch"], 48, 7, 3)
-    assert (child.compile, child.channels_last, child.cuda_graph, child.inductor) == \
-        ("default", True, False, "combo_kernels=False")
+    for regional in (False, True):
+        args = argparse.Namespace(batch=48, compile="default", channels_last=True, cuda_graph=False, regional=regional)
+        argv = e2e.variant_argv(args, "combo_kernels=False", "unireplknet_b", "torch", steps=7, warmup=3)
+        assert argv[:4] == [sys.executable, "-m", "lkcnn.bench", "e2e"]
+        child = e2e._parser().parse_args(argv[4:])
+        assert (child.models, child.runs, child.batch, child.steps, child.warmup) == \
+            (["unireplknet_b"], ["torch"], 48, 7, 3)
+        assert (child.compile, child.channels_last, child.cuda_graph, child.inductor, child.regional) == \
+            ("default", True, False, "combo_kernels=False", regional)
 
 
 class FakeProcess:
@@ -321,7 +330,8 @@ def test_isolate_times_each_variant_in_a_process_of_its_own(monkeypatch, capsys)
                                                 ("unireplknet_b", "torch"): 335.0})
     monkeypatch.setattr(e2e.subprocess, "run", FakeProcess)
     args = argparse.Namespace(models=["convnext_base", "unireplknet_b"], runs=["auto", "torch"], batch=64, steps=30,
-                              warmup=6, compile="reduce-overhead", channels_last=True, cuda_graph=False)
+                              warmup=6, compile="reduce-overhead", channels_last=True, cuda_graph=False,
+                              regional=False)
     variants, selectors = e2e.jobs(args.models, args.runs), e2e.variant_selectors(args.models, args.runs)
     samples, first_steps = e2e.measure(variants, 1, isolated=functools.partial(e2e.run_isolated, args, "", selectors))
     assert list(samples.values()) == [[1880.0], [1496.0], [335.0]]
@@ -343,7 +353,7 @@ def test_warm_cache_compiles_every_variant_at_once_and_names_the_ones_that_fail(
     monkeypatch.setattr(FakeProcess, "started", [])
     monkeypatch.setattr(e2e.subprocess, "Popen", FakeProcess)
     args = argparse.Namespace(models=MODELS, runs=["auto", "torch"], batch=64, compile="reduce-overhead",
-                              channels_last=True, cuda_graph=False)
+                              channels_last=True, cuda_graph=False, regional=False)
     e2e.warm_cache(args, "", e2e.variant_selectors(args.models, args.runs))
     assert len(FakeProcess.started) == 5 and all(argv[argv.index("--steps") + 1] == "1" for argv in FakeProcess.started)
     monkeypatch.setattr(FakeProcess, "codes", {("replknet31b", "torch"): 1})

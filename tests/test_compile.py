@@ -9,7 +9,8 @@ import timm
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, compile_options, network_settings, parse_settings
+from lkcnn.compile import (INDUCTOR_SETTINGS, compile_model, compile_options, network_settings, parse_settings,
+                           regions, stage_blocks)
 from lkcnn.layers.blocks import ConvFFN
 from lkcnn.models.replknet import RepLKNet
 from lkcnn.ops import use_conv_impl
@@ -76,6 +77,56 @@ def test_settings_are_inductors():
         parse_settings("combo_kernel=True")
     with pytest.raises(ValueError, match="not key=value"):
         parse_settings("combo_kernels")
+
+
+@pytest.mark.parametrize("name, blocks", [("replknet31b", 48), ("unireplknet_b", 36), ("convnext_base", 36)])
+def test_regions_hold_every_block_alone_and_every_parameter_once(name, blocks):
+    """A regional compile covers the whole network: each stage's blocks one by one, every other part with state."""
+    model = _on_meta(name)
+    parts = regions(model)
+    every_block = [b for stage in model.stages for b in stage_blocks(stage)]
+    assert len(every_block) == blocks and all(any(b is p for p in parts) for b in every_block)
+    ids = [id(p) for part in parts for p in part.parameters()]
+    assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}
+    assert not any(part is model or part is model.stages for part in parts)
+
+
+def test_regional_compile_compiles_each_region_for_fixed_shapes(monkeypatch):
+    model = _on_meta("replknet31b")
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: seen.append((self, kwargs)))
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compile_model(model, "reduce-overhead", {"combo_kernels": False}, regional=True)
+        # RepLKNet-31B's RepLK blocks: 4 stages, trained and evaluated: 8 compiled versions of one class at the least
+        assert torch._dynamo.config.recompile_limit >= 8
+    assert [m for m, _ in seen] == regions(model)
+    options = {**compile_options("reduce-overhead", model), "combo_kernels": False}
+    assert all(kwargs == {"options": options, "dynamic": False} for _, kwargs in seen)
+
+
+def test_blocks_of_one_structure_share_one_compiled_graph():
+    """The point of a regional compile: three identical blocks compile once, and train as the eager network does."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = torch.nn.ModuleList([torch.nn.Sequential(*(ConvFFN(8, 16) for _ in range(3)))])
+
+        def forward(self, x):
+            return self.stages[0](x)
+    net, eager = Net(), Net()
+    eager.load_state_dict(net.state_dict())
+    compile_model(net, "default", regional=True)
+    x = torch.randn(2, 8, 5, 5, requires_grad=True)  # as behind a stem: every block's input needs a gradient
+    net(x).square().mean().backward()
+    eager(x).square().mean().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+    for p, q in zip(net.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_compiled_network_compiles_once():

@@ -32,7 +32,7 @@ from torch import nn
 from lkcnn.bench.e2e import COMPILE_MODE, check_models, release
 from lkcnn.bench.profile import ELEMENTWISE, OTHER, by_category, category, profile_kernels
 from lkcnn.bench.record import command_line, make_record, write_record
-from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, network_settings, parse_settings
+from lkcnn.compile import INDUCTOR_SETTINGS, compile_model, network_settings, parse_settings, stage_blocks
 from lkcnn.errors import UserError
 from lkcnn.ops import set_conv_impl
 
@@ -46,10 +46,6 @@ def period(kinds: Sequence[str]) -> int:
     return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
 
-def _blocks(stage: nn.Module) -> list[nn.Module]:
-    return list(stage.blocks if hasattr(stage, "blocks") else stage.children())
-
-
 def stage_units(model: nn.Module, image: int = 224) -> list[dict[str, Any]]:
     """Per stage of `model` (timm's `stages`): its repeating unit (sharing the model's modules), how many units the
     stage holds, and the shape (C, H, W) and dtype of the input the network hands its first block under the
@@ -57,7 +53,7 @@ def stage_units(model: nn.Module, image: int = 224) -> list[dict[str, Any]]:
     if not isinstance(getattr(model, "stages", None), nn.Sequential | nn.ModuleList):
         raise UserError(f"{type(model).__name__} keeps no blocks in timm's `stages` (as ConvNeXt, RepLKNet and "
                          "UniRepLKNet do); choose such a network")
-    stages = [_blocks(stage) for stage in model.stages]
+    stages = [stage_blocks(stage) for stage in model.stages]
     inputs: dict[int, torch.Tensor] = {}
     hooks = [blocks[0].register_forward_pre_hook(lambda _, args, i=i: inputs.setdefault(i, args[0]))
              for i, blocks in enumerate(stages)]

@@ -69,11 +69,13 @@ Samples = dict[str, list[float]]  # by variant label: one value per round
 
 # ----------------------------------------------------------------------------------------------- one variant
 def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | None, cuda_graph: bool = False,
-          inductor: dict[str, Any] | None = None, **model_kwargs) -> tuple[Callable[[], None], tuple]:
+          inductor: dict[str, Any] | None = None, regional: bool = False,
+          **model_kwargs) -> tuple[Callable[[], None], tuple]:
     """(train step, its state) for one variant: network `name`, AdamW, synthetic batch, bf16 autocast; `compile` a
     torch.compile mode ("default" for torch's) or None for eager, with lkcnn.compile's settings and `inductor`'s
-    over them. With cuda_graph, the whole step (forward, backward, optimizer) is captured once and each step replays
-    it: no host time per step, so the GPU's own time per step is what is measured."""
+    over them, the whole network as one graph or, with `regional`, block by block. With cuda_graph, the whole step
+    (forward, backward, optimizer) is captured once and each step replays it: no host time per step, so the GPU's own
+    time per step is what is measured."""
     conv, *flags = impl.split(":")
     set_conv_impl(conv)
     set_branch_kernels("no_branch_kernels" not in flags)
@@ -84,7 +86,7 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if compile:  # in place, as the training app compiles (peers too); the warm-up steps absorb the compilation
-        compile_model(model, compile, inductor)
+        compile_model(model, compile, inductor, regional)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True, capturable=cuda_graph)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     if channels_last:
@@ -92,6 +94,8 @@ def setup(name: str, impl: str, batch: int, channels_last: bool, compile: str | 
     y = torch.randint(0, 1000, (batch,), device="cuda")
 
     def step() -> None:
+        if compile and regional:  # CUDA-graph trees replay a region's graph on their fast path only when told a
+            torch.compiler.cudagraph_mark_step_begin()  # step began: each forward runs with the last one's backward
         # autocast's weight-cast cache must be off under capture (cached casts would outlive the graph's pool)
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cuda_graph):
             loss = F.cross_entropy(model(x), y)
@@ -123,10 +127,10 @@ def time_steps(step: Callable[[], None], batch: int, steps: int, warmup: int) ->
 
 
 def run_variant(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
-                cuda_graph: bool = False, inductor: dict[str, Any] | None = None,
+                cuda_graph: bool = False, inductor: dict[str, Any] | None = None, regional: bool = False,
                 **model_kwargs) -> tuple[float, float]:
     """Training images/s of one variant (`time_steps`) and its first step's seconds."""
-    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, regional, **model_kwargs)
     timed = time_steps(step, batch, steps, warmup)
     del step, state
     release()
@@ -142,11 +146,12 @@ def release() -> None:
 
 def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
                 cuda_graph: bool = False, profile_steps: int = 5, inductor: dict[str, Any] | None = None,
-                on_timed: Callable[[dict[str, float]], None] | None = None, **model_kwargs) -> dict[str, Any]:
+                regional: bool = False, on_timed: Callable[[dict[str, float]], None] | None = None,
+                **model_kwargs) -> dict[str, Any]:
     """One variant from one setup (a compiled one compiles once): its images/s (wall time of `steps` steps after
     `warmup`, handed to `on_timed` before the profile) and its GPU time per step by cost category over
     `profile_steps` more steps under torch.profiler."""
-    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, regional, **model_kwargs)
     timed = time_steps(step, batch, steps, warmup)
     if on_timed:
         on_timed(timed)
@@ -159,13 +164,13 @@ def step_report(name: str, impl: str, batch: int, steps: int, warmup: int, chann
 
 def kernel_profile(name: str, impl: str, batch: int, steps: int, warmup: int, channels_last: bool, compile: str | None,
                    cuda_graph: bool = False, top: int = 30, inductor: dict[str, Any] | None = None,
-                   **model_kwargs) -> str:
+                   regional: bool = False, **model_kwargs) -> str:
     """Where a variant's step time goes: GPU time per kernel over `steps` steps (torch.profiler, busiest first) and per
     cost category (`lkcnn.bench.profile.CATEGORIES`), and the GPU's busy time per step against the wall time per step
     (a gap is host time the GPU waits for)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, **model_kwargs)
+    step, state = setup(name, impl, batch, channels_last, compile, cuda_graph, inductor, regional, **model_kwargs)
     for _ in range(warmup):
         step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -397,7 +402,8 @@ def compare_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 def regime(args: argparse.Namespace) -> str:
     """The step's mode as one phrase: compiled (with any --inductor settings), channels_last, CUDA graph, or eager."""
     settings = ", ".join(f"{k}={v}" for k, v in (getattr(args, "inductor", None) or {}).items())
-    compiled = f"compiled ({args.compile}{', ' + settings if settings else ''})"
+    regional = ", block by block" if getattr(args, "regional", False) else ""
+    compiled = f"compiled ({args.compile}{regional}{', ' + settings if settings else ''})"
     modes = [name for name, on in ((compiled, args.compile), ("channels_last", args.channels_last),
                                    ("CUDA graph", args.cuda_graph)) if on]
     return ", ".join(modes) or "eager"
@@ -467,6 +473,7 @@ def variant_argv(args: argparse.Namespace, inductor: str, model: str, key: str, 
             "--steps", str(steps), "--warmup", str(warmup)]
     argv += ["--compile", args.compile] if args.compile else []
     argv += ["--channels-last"] * args.channels_last + ["--cuda-graph"] * args.cuda_graph
+    argv += ["--regional"] * args.regional
     return argv + (["--inductor", inductor] if inductor else [])
 
 
@@ -536,6 +543,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"torch.compile the model in this mode (alone: {COMPILE_MODE}, as the training app "
                              "compiles on a GPU; 'default' for torch's default mode) with lkcnn's inductor settings "
                              "(lkcnn.compile), every network alike; use --warmup 3 or more")
+    parser.add_argument("--regional", action="store_true",
+                        help="with --compile: compile each block on its own (blocks of one structure share their "
+                             "compiled code) instead of the whole network as one graph (lkcnn.compile.regions)")
     parser.add_argument("--compare", metavar="PEER", default=None,
                         help="the comparison table: each --models network as users run it (default dispatch), its "
                              "3x3 twin and the timm network PEER, images/s, ratios and GPU ms per step by category; "
@@ -572,6 +582,8 @@ def main(argv: Sequence[str]) -> None:
     check_models(parser, "--models", args.models)
     if args.compare and not timm.is_model(args.compare):
         parser.error(f"--compare: {args.compare!r} is not a timm model name")
+    if args.regional and not (args.compile or args.compare):
+        parser.error("--regional is a way to compile: give it with --compile or --compare")
     if args.warm_cache and (not args.compile or args.compare):
         parser.error("--warm-cache compiles the --runs variants: give it with --compile and without --compare")
     if args.isolate and (args.compare or args.profile):
@@ -600,7 +612,8 @@ def main(argv: Sequence[str]) -> None:
                                                 command_line(["e2e", *argv]), method, rows))
 
         rows = compare(args.models, args.compare, on_rows=save if args.json else None, batch=args.batch,
-                       steps=args.steps, warmup=args.warmup, compile=args.compile, inductor=args.inductor)
+                       steps=args.steps, warmup=args.warmup, compile=args.compile, inductor=args.inductor,
+                       regional=args.regional)
         print(compare_table(rows, args))
         if args.json:
             print(f"wrote {args.json}")
@@ -609,7 +622,7 @@ def main(argv: Sequence[str]) -> None:
     selectors = variant_selectors(args.models, args.runs)
     args.warm_cache_s = warm_cache(args, inductor_text, selectors) if args.warm_cache else None
     common = dict(batch=args.batch, steps=args.steps, warmup=args.warmup, channels_last=args.channels_last,
-                  compile=args.compile, cuda_graph=args.cuda_graph, inductor=args.inductor)
+                  compile=args.compile, cuda_graph=args.cuda_graph, inductor=args.inductor, regional=args.regional)
     if args.profile:
         for label, (model, impl, kwargs) in variants.items():
             print(f"== {label}")
