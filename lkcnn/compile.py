@@ -66,9 +66,9 @@ def stage_blocks(stage: nn.Module) -> list[nn.Module]:
 
 
 def regions(model: nn.Module) -> list[nn.Module]:
-    """The parts of `model` that a regional compile compiles one by one: every
-    block of every stage (timm's `stages`), and around them every other part that holds parameters or buffers (the
-    stem, downsampling layers, the head; a ModuleList's items one by one). [model] for a network without `stages`."""
+    """The parts of `model` that a regional compile compiles one by one: every block of every stage (timm's `stages`),
+    and around them every other part that holds parameters or buffers (the stem, downsampling layers, the head; a
+    ModuleList's items one by one). [model] for a network without `stages`."""
     stages = getattr(model, "stages", None)
     if not isinstance(stages, nn.Sequential | nn.ModuleList):
         return [model]
