@@ -33,14 +33,16 @@ MAX_KERNEL = 63
 AUTO_MIN_KERNEL = 7
 ENV_VAR = "LKCNN_CONV_IMPL"
 _warned: set[str] = set()
-# LKCNN_CONV_IMPL, read once when lkcnn is imported: the op's hot path reads no environment, a run's choice cannot
-# change under it, and a compiled network's trace changes no state (read lazily, the first trace stored it, and the
-# guard on the unread value recompiled the whole network at its second call)
+
+
 def read_env() -> str:
     """LKCNN_CONV_IMPL now, lower-cased ("" when unset)."""
     return os.environ.get(ENV_VAR, "").strip().lower()
 
 
+# LKCNN_CONV_IMPL, read once when lkcnn is imported: the op's hot path reads no environment, a run's choice cannot
+# change under it, and a compiled network's trace changes no state (read lazily, the first trace stored it, and the
+# guard on the unread value recompiled the whole network at its second call)
 _env_impl: str = read_env()
 _chosen: str | None = None  # set_conv_impl's choice; None: the user's default
 
